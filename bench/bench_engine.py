@@ -1,0 +1,171 @@
+"""Engine benchmark: run a named grid of training jobs, one fresh process each, and write one JSONL row per job.
+
+    python bench/bench_engine.py --grid stream7b --out bench/results/engine.jsonl
+
+Each job is `python train.py <overrides> logger=none hydra.run.dir=<workdir>/<job>`; the row is built from the
+run's summary.json and metrics.jsonl (medians over the steps after the first), so the figures are exactly what a
+user's run reports. Rows carry the GPU, torch/triton versions, git sha, date and the overrides. A job that fails
+(out of memory, a refused plan) still gets a row, with `error` and the tail of its log, so a grid never silently
+loses a configuration. Jobs of the same model and tokens per step get `ratio_vs_reference` against the reference
+engine's row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = "train.seq_len=4096"
+THROUGHPUT = ["train=throughput", "data=stdlib"]
+
+GRIDS = {
+    # a few seconds per job: checks that every engine path runs on this machine
+    "smoke": [
+        ("tiny-reference", ["model=tiny", "engine=reference", "train.steps=4", "train.seq_len=512",
+                            "train.micro_batch_size=4", "train.grad_accum=3"]),
+        ("tiny-stream", ["model=tiny", "engine=stream", "train.steps=4", "train.seq_len=512",
+                         "train.micro_batch_size=4", "train.grad_accum=3"]),
+        ("qwen0_5b-stream-host", ["model=qwen0_5b", "engine=stream", *THROUGHPUT, "train.steps=3",
+                                  "train.grad_accum=4", "engine.grads_tier=host", "engine.checkpoint_tier=host",
+                                  "engine.cache_weights=off"]),
+    ],
+    # issue 2: the all-on-GPU baseline at the largest micro-batch that fits, seq 4096
+    "reference": [
+        ("qwen3b-reference-mb8", ["model=qwen3b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=4",
+                                  "train.micro_batch_size=8", "train.grad_accum=1"]),
+        ("qwen7b-reference-mb2", ["model=qwen7b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=4",
+                                  "train.micro_batch_size=2", "train.grad_accum=1"]),
+    ],
+    # issue 3: qwen7b streamed at 64K tokens per step, next to the reference at the same tokens per step
+    "stream7b": [
+        ("qwen7b-stream-64k", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=10",
+                               "train.micro_batch_size=2", "train.grad_accum=8"]),
+        ("qwen7b-reference-64k", ["model=qwen7b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=4",
+                                  "train.micro_batch_size=2", "train.grad_accum=8"]),
+    ],
+    # issue 3: the same model on a GPU capped at 24 GB (host RAM limits this one to 16K tokens per step)
+    "rtx3090": [
+        ("qwen7b-stream-rtx3090-16k", ["model=qwen7b", "engine=stream", "hardware=rtx3090", *THROUGHPUT, SEQ,
+                                       "train.steps=10", "train.micro_batch_size=1", "train.grad_accum=4"]),
+    ],
+}
+
+
+def _versions() -> dict:
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version,
+            "git_sha": (sha.stdout.strip() or "unknown") + ("+dirty" if dirty else "")}
+
+
+def _median(rows, key):
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return statistics.median(vals) if vals else None
+
+
+def run_job(name: str, overrides: list, workdir: Path, timeout_s: int) -> dict:
+    run_dir = workdir / name
+    cmd = [sys.executable, "train.py", *overrides, "logger=none", f"hydra.run.dir={run_dir}"]
+    start = time.perf_counter()
+    with open(workdir / f"{name}.log", "w") as log:
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    row = {"bench": "engine", "job": name, "overrides": overrides, "wall_s": time.perf_counter() - start}
+    summary_path = run_dir / "summary.json"
+    if rc != 0 or not summary_path.exists():
+        row["error"] = f"exit {rc}"
+        row["log_tail"] = (workdir / f"{name}.log").read_text()[-3000:]
+        return row
+    summary = json.loads(summary_path.read_text())
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "loss" in s]
+    timed = steps[1:] if len(steps) > 1 else steps
+    cfg = summary["config"]
+    t = cfg["train"]
+    row.update({
+        "model": cfg["model"]["name"], "engine": cfg["engine"]["name"], "hardware": cfg["hardware"]["name"],
+        "seq_len": t["seq_len"], "micro_batch_size": t["micro_batch_size"], "grad_accum": t["grad_accum"],
+        "tokens_per_step": t["seq_len"] * t["micro_batch_size"] * t["grad_accum"], "steps": len(steps),
+        "tokens_per_s": summary.get("median_tokens_per_s"), "step_s": summary.get("median_step_s"),
+        "tflops": summary.get("median_tflops"), "mfu": summary.get("median_mfu"),
+        "tflops_6n": _median(timed, "tflops_6n"),
+        "gpu_mem_gib": summary.get("peak_gpu_mem_gib"), "host_mem_gib": summary.get("peak_host_mem_gib"),
+        "num_params": summary.get("num_params"), "memory_plan_gib": summary.get("memory_plan_gib"),
+        "losses": [s.get("loss") for s in steps], "initial_val_loss": summary.get("initial_val_loss"),
+        "final_val_loss": summary.get("final_val_loss"), "placement": cfg.get("plan_placement"),
+        "skipped_steps": summary.get("skipped_steps"),
+    })
+    for key in sorted({k for s in timed for k in s if k.endswith("_s") and k not in ("step_s",)}):
+        row[f"median_{key}"] = _median(timed, key)
+    return row
+
+
+def add_ratios(rows: list) -> None:
+    ref = {(r["model"], r["tokens_per_step"], r["hardware"]): r for r in rows
+           if r.get("engine") == "reference" and r.get("tokens_per_s")}
+    for r in rows:
+        base = ref.get((r.get("model"), r.get("tokens_per_step"), r.get("hardware")))
+        if base is not None and r is not base and r.get("tokens_per_s"):
+            r["ratio_vs_reference"] = r["tokens_per_s"] / base["tokens_per_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--grid", action="append", required=True, choices=sorted(GRIDS))
+    ap.add_argument("--out", required=True, help="JSONL file the rows are appended to")
+    ap.add_argument("--workdir", default="runs/bench", help="where the jobs' run dirs and logs go")
+    ap.add_argument("--timeout-s", type=int, default=900, help="per job")
+    args = ap.parse_args()
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    meta = _versions()
+    meta["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    rows = []
+    for grid in args.grid:
+        for name, overrides in GRIDS[grid]:
+            print(f"[bench] {grid}/{name}: {' '.join(overrides)}", flush=True)
+            row = {**run_job(name, overrides, workdir, args.timeout_s), **meta, "grid": grid}
+            rows.append(row)
+            status = row.get("error") or f"{row['tokens_per_s']:,.0f} tok/s, {row['tflops']:.1f} TFLOPS"
+            print(f"[bench] {name}: {status}", flush=True)
+    add_ratios(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"\n{'job':30} {'tok/s':>10} {'step s':>8} {'TFLOPS':>8} {'MFU':>6} {'GPU GiB':>8} {'host GiB':>9}  ratio")
+    for r in rows:
+        if r.get("error"):
+            print(f"{r['job']:30} ERROR {r['error']}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        ratio = f"{r['ratio_vs_reference']:.2f}" if "ratio_vs_reference" in r else ""
+        print(f"{r['job']:30} {r['tokens_per_s']:>10,.0f} {r['step_s']:>8.2f} {r['tflops']:>8.1f} {mfu:>6} "
+              f"{r['gpu_mem_gib']:>8.1f} {r['host_mem_gib']:>9.1f}  {ratio}")
+    os.sync()
+
+
+if __name__ == "__main__":
+    main()

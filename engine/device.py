@@ -1,0 +1,91 @@
+"""The device layer: streams, events, pinned memory and autocast, with CPU stand-ins.
+
+On CUDA these are torch.cuda streams and events. On a CPU-only torch (CI), a stream is a no-op context, an event
+records nothing and waiting on it returns at once, and "copies" are synchronous, because every op already runs in
+program order on one device. The schedule is written once against this interface, so CI runs exactly the code path
+that the GPU runs, minus the concurrency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("hardware.device=cuda but torch sees no CUDA device "
+                               f"(torch {torch.__version__}); use hardware.device=cpu or auto")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def autocast_ctx(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class _NullEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+class Device:
+    """Streams and events for one device; `cuda` false gives the synchronous CPU stand-ins."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def new_stream(self) -> Optional[torch.cuda.Stream]:
+        return torch.cuda.Stream(device=self.device) if self.cuda else None
+
+    def current_stream(self) -> Optional[torch.cuda.Stream]:
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def on(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing) if self.cuda else _NullEvent()
+
+    def wait_event(self, stream, event) -> None:
+        """Make `stream` (None: the current one) wait for `event` on the device; the host does not block."""
+        if self.cuda:
+            (stream or torch.cuda.current_stream(self.device)).wait_event(event)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        if self.cuda:
+            tensor.record_stream(stream)
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def pinned_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Page-locked host memory when CUDA is present (needed for async copies), plain memory otherwise."""
+        return torch.empty(numel, dtype=dtype, pin_memory=self.cuda)
+
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0

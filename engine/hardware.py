@@ -1,0 +1,42 @@
+"""Hardware profiles: `hardware=auto` picks the profile of the GPU torch sees (or `cpu`), and a profile whose
+`gpu_mem_gib` is below the card's capacity caps this process's GPU memory, so a big card can stand in for a smaller
+one (`hardware=rtx3090` on an H200 behaves like a 24 GB card for every allocation the caching allocator makes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "hardware"
+GPU_PROFILES = {"H200": "h200", "GH200": "gh200", "RTX 3090": "rtx3090", "RTX A6000": "a6000"}
+
+
+def detect_profile() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    for marker in sorted(GPU_PROFILES, key=len, reverse=True):
+        if marker in name:
+            return GPU_PROFILES[marker]
+    raise RuntimeError(f"hardware=auto: no profile in {CONF_DIR} for GPU {name!r}; pass hardware=<name> "
+                       f"(one of {sorted(p.stem for p in CONF_DIR.glob('*.yaml') if p.stem != 'auto')})")
+
+
+def resolve(cfg: DictConfig) -> None:
+    """Replace `hardware=auto` by the detected profile, in place."""
+    if cfg.hardware.name != "auto":
+        return
+    profile = OmegaConf.load(CONF_DIR / f"{detect_profile()}.yaml")
+    with open_dict(cfg):
+        cfg.hardware = OmegaConf.merge(cfg.hardware, profile)
+
+
+def apply_gpu_cap(hw, device: torch.device) -> float:
+    """Cap the caching allocator at hardware.gpu_mem_gib; returns the usable GiB."""
+    total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    if 0 < hw.gpu_mem_gib < total_gib:
+        torch.cuda.set_per_process_memory_fraction(hw.gpu_mem_gib / total_gib, device)
+        return hw.gpu_mem_gib
+    return total_gib

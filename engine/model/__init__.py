@@ -1,0 +1,111 @@
+"""A model as a sequence of *units*: the embedding, each decoder layer, the head (final norm + LM head).
+
+A unit is the granule of streaming and of the host optimizer: it has a flat parameter layout (`UnitLayout`) and a
+template function. `ModelSpec` builds both from a model config and owns the deterministic initialisation, which is a
+function of (seed, unit index) alone so that an engine can initialise its store one unit at a time, in any order or
+in parallel, and still match every other engine bit for bit.
+
+With tied embeddings the embedding matrix lives in the embedding unit only; the head template receives it as
+`tied_weight` and its gradient is the sum of both uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from engine.config import ConfigError
+from engine.model import dense
+from engine.model.layout import ParamSpec, UnitLayout
+from engine.model.rope import Rope, rope_tables
+
+__all__ = ["ModelSpec", "Unit", "ParamSpec", "UnitLayout", "Rope"]
+
+
+@dataclass
+class Unit:
+    index: int  # 0 = embedding, 1..L = decoder layers, L+1 = head
+    kind: str  # embed | layer | head
+    layout: UnitLayout
+    layer: Optional[int] = None  # decoder layer number for kind == "layer"
+
+    @property
+    def name(self) -> str:
+        return f"layer{self.layer}" if self.kind == "layer" else self.kind
+
+
+class ModelSpec:
+    def __init__(self, model_cfg, attention: str = "auto"):
+        m = model_cfg
+        self.cfg = m
+        self.arch = dense.DenseArch(
+            hidden=m.hidden_size, intermediate=m.intermediate_size, heads=m.num_attention_heads,
+            kv_heads=m.num_key_value_heads, head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
+            vocab=m.vocab_size, eps=m.rms_norm_eps, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
+            tied=m.tie_word_embeddings, attention=attention)
+        self.num_layers = m.num_hidden_layers
+        layer_specs = dense.layer_specs(self.arch)
+        self.units: List[Unit] = [Unit(0, "embed", UnitLayout("", dense.embed_specs(self.arch)))]
+        for i in range(self.num_layers):
+            self.units.append(Unit(i + 1, "layer", UnitLayout(f"model.layers.{i}.", layer_specs), layer=i))
+        self.units.append(Unit(self.num_layers + 1, "head", UnitLayout("", dense.head_specs(self.arch))))
+
+    @property
+    def embed_unit(self) -> Unit:
+        return self.units[0]
+
+    @property
+    def head_unit(self) -> Unit:
+        return self.units[-1]
+
+    @property
+    def layer_units(self) -> List[Unit]:
+        return self.units[1:-1]
+
+    @property
+    def tied(self) -> bool:
+        return self.arch.tied
+
+    def num_params(self) -> int:
+        return sum(u.layout.param_numel for u in self.units)
+
+    def check_expected_params(self) -> None:
+        expected = self.cfg.expected_params
+        if expected is not None and expected != self.num_params():
+            raise ConfigError(f"model={self.cfg.name}: the built layout has {self.num_params():,} parameters but "
+                              f"model.expected_params={expected:,}; the architecture fields do not describe the "
+                              "published checkpoint")
+
+    def rope(self, seq_len: int, device: torch.device | str) -> Rope:
+        return rope_tables(self.arch.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling, seq_len, device)
+
+    def init_unit(self, unit: Unit, params: Dict[str, torch.Tensor], seed: int) -> None:
+        """Fill a unit's fp32 tensors in place: matrices N(0, init_std), norm weights 1, biases 0."""
+        gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + unit.index)
+        for spec in unit.layout.specs:
+            t = params[spec.name]
+            if spec.kind == "vector":
+                t.fill_(0.0 if spec.name.endswith(".bias") else 1.0)
+            elif t.device.type == "cpu":
+                t.normal_(0.0, self.cfg.init_std, generator=gen)
+            else:
+                t.copy_(torch.empty(t.shape).normal_(0.0, self.cfg.init_std, generator=gen))
+
+    # Templates, bound to this architecture.
+    def embed(self, p, ids_BT):
+        return dense.embed(p, ids_BT)
+
+    def layer(self, p, x_BTD, rope: Rope):
+        return dense.decoder_layer(p, x_BTD, rope, self.arch)
+
+    def loss_sum(self, p, x_BTD, labels_BT, tied_weight=None):
+        return dense.loss_sum(p, x_BTD, labels_BT, self.arch, tied_weight)
+
+    def logits(self, p, x_BTD, tied_weight=None):
+        return dense.logits(p, x_BTD, self.arch, tied_weight)
+
+    @property
+    def tied_weight_name(self) -> str:
+        return dense.EMBED

@@ -1,0 +1,152 @@
+"""Dense decoder templates: Qwen2/Qwen2.5, Qwen3 and Llama 3.x as pure functions of (parameters, inputs).
+
+No module owns a weight: every function takes a dict of tensors keyed by HF names (relative to the unit prefix), so
+one template serves every layer and the streaming engine binds it to whatever GPU slot holds the layer. The three
+families differ only in flags: q/k/v bias (Qwen2), q/k RMSNorm over head_dim before RoPE (Qwen3), llama3 RoPE
+rescaling (in the rope tables, not here).
+
+Precision follows transformers under autocast: the residual stream keeps the embedding's dtype (fp32), RMSNorm
+normalises in fp32 and multiplies by its weight after casting back, linears run in the autocast dtype. Matmul
+weights are only ever passed to F.linear, which is what lets the streaming engine hand them over already in bf16.
+
+Cost per layer and token: 2 * (params of q, k, v, o, gate, up, down) FLOPs forward, plus 4 * nh * hd * T_ctx for
+the attention scores and values (halved by the causal mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from engine.model.attention import causal_attention
+from engine.model.layout import ParamSpec
+from engine.model.rope import Rope, apply_rope
+
+Params = Dict[str, torch.Tensor]
+
+LOSS_CHUNK_ELEMS = 1 << 27  # logits elements per loss chunk (fp32: 512 MiB) bound the head's working memory
+
+
+@dataclass(frozen=True)
+class DenseArch:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    tied: bool
+    attention: str = "auto"
+
+
+def layer_specs(a: DenseArch) -> list[ParamSpec]:
+    h, q_out, kv_out = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
+    specs = [
+        ParamSpec("input_layernorm.weight", (h,), "vector"),
+        ParamSpec("self_attn.q_proj.weight", (q_out, h), "matmul"),
+        ParamSpec("self_attn.k_proj.weight", (kv_out, h), "matmul"),
+        ParamSpec("self_attn.v_proj.weight", (kv_out, h), "matmul"),
+        ParamSpec("self_attn.o_proj.weight", (h, q_out), "matmul"),
+        ParamSpec("post_attention_layernorm.weight", (h,), "vector"),
+        ParamSpec("mlp.gate_proj.weight", (a.intermediate, h), "matmul"),
+        ParamSpec("mlp.up_proj.weight", (a.intermediate, h), "matmul"),
+        ParamSpec("mlp.down_proj.weight", (h, a.intermediate), "matmul"),
+    ]
+    if a.qkv_bias:
+        specs += [ParamSpec("self_attn.q_proj.bias", (q_out,), "vector"),
+                  ParamSpec("self_attn.k_proj.bias", (kv_out,), "vector"),
+                  ParamSpec("self_attn.v_proj.bias", (kv_out,), "vector")]
+    if a.qk_norm:
+        specs += [ParamSpec("self_attn.q_norm.weight", (a.head_dim,), "vector"),
+                  ParamSpec("self_attn.k_norm.weight", (a.head_dim,), "vector")]
+    return specs
+
+
+EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+def embed_specs(a: DenseArch) -> list[ParamSpec]:
+    return [ParamSpec(EMBED, (a.vocab, a.hidden), "embedding")]
+
+
+def head_specs(a: DenseArch) -> list[ParamSpec]:
+    """Final norm and LM head. With tied embeddings the head has no matrix of its own: callers pass the embedding."""
+    specs = [ParamSpec(FINAL_NORM, (a.hidden,), "vector")]
+    if not a.tied:
+        specs.append(ParamSpec(LM_HEAD, (a.vocab, a.hidden), "matmul"))
+    return specs
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def embed(p: Params, ids_BT: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids_BT, p[EMBED])
+
+
+def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: DenseArch) -> torch.Tensor:
+    B, T, _ = x_BTD.shape
+    y = rms_norm(x_BTD, p["input_layernorm.weight"], a.eps)
+    q = F.linear(y, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
+    k = F.linear(y, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias"))
+    v = F.linear(y, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias"))
+    q = q.view(B, T, a.heads, a.head_dim)
+    k = k.view(B, T, a.kv_heads, a.head_dim)
+    if a.qk_norm:
+        q = rms_norm(q, p["self_attn.q_norm.weight"], a.eps)
+        k = rms_norm(k, p["self_attn.k_norm.weight"], a.eps)
+    q = apply_rope(q.transpose(1, 2), rope)
+    k = apply_rope(k.transpose(1, 2), rope)
+    v = v.view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
+    attn = causal_attention(q, k, v, a.attention)
+    x_BTD = x_BTD + F.linear(attn, p["self_attn.o_proj.weight"])
+    y = rms_norm(x_BTD, p["post_attention_layernorm.weight"], a.eps)
+    mlp = F.linear(F.silu(F.linear(y, p["mlp.gate_proj.weight"])) * F.linear(y, p["mlp.up_proj.weight"]),
+                   p["mlp.down_proj.weight"])
+    return x_BTD + mlp
+
+
+def _lm_weight(p: Params, tied_weight: Optional[torch.Tensor]) -> torch.Tensor:
+    return tied_weight if tied_weight is not None else p[LM_HEAD]
+
+
+def logits(p: Params, x_BTD: torch.Tensor, a: DenseArch, tied_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return F.linear(rms_norm(x_BTD, p[FINAL_NORM], a.eps), _lm_weight(p, tied_weight))
+
+
+def _chunk_loss_sum(norm_w: torch.Tensor, lm_w: torch.Tensor, x_ND: torch.Tensor, labels_N: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    z = F.linear(rms_norm(x_ND, norm_w, eps), lm_w)
+    return F.cross_entropy(z.float(), labels_N, reduction="sum")
+
+
+def loss_sum(p: Params, x_BTD: torch.Tensor, labels_BT: torch.Tensor, a: DenseArch,
+             tied_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Summed next-token cross-entropy (fp32) over the tokens of x, computed in token chunks so that at most
+    LOSS_CHUNK_ELEMS logits exist at a time; each chunk's logits are recomputed in backward, not stored."""
+    x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+    labels_N = labels_BT.reshape(-1)
+    chunk = max(1, LOSS_CHUNK_ELEMS // a.vocab)
+    lm_w, norm_w = _lm_weight(p, tied_weight), p[FINAL_NORM]
+    total = x_ND.new_zeros((), dtype=torch.float32)
+    for start in range(0, x_ND.shape[0], chunk):
+        xs, ls = x_ND[start:start + chunk], labels_N[start:start + chunk]
+        if torch.is_grad_enabled():
+            part = checkpoint(_chunk_loss_sum, norm_w, lm_w, xs, ls, a.eps, use_reentrant=False,
+                              preserve_rng_state=False)
+        else:
+            part = _chunk_loss_sum(norm_w, lm_w, xs, ls, a.eps)
+        total = total + part
+    return total

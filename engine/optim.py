@@ -1,0 +1,95 @@
+"""The optimizer recipe shared by both engines, and the host-side AdamW of the streaming engine.
+
+Recipe (DESIGN.md §1): torch.optim.AdamW (fused kernel) on fp32 master weights; weight decay on matrices only;
+global-norm clipping with the norm of the whole gradient; a step whose gradient norm is not finite is skipped and
+leaves weights, moments and Adam's step counter untouched.
+
+Both engines compute the global norm with `global_norm` from per-tensor norms taken in the model's canonical
+parameter order, clip with `clip_coefficient`, and run the same fused AdamW kernel on tensors of the same shapes, so
+on one device they produce bit-identical updates. The streaming engine runs that kernel per unit on a worker thread,
+over views into the host store's flat buffers (its moments are views into the store too, never torch allocations).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+import torch
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing
+
+
+def lr_at(step: int, t) -> float:
+    """Linear warmup over `warmup_steps`, then cosine decay to lr * min_lr_ratio at the last step (0-indexed)."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    decay_steps = max(1, t.steps - t.warmup_steps - 1)
+    progress = min(1.0, (step - t.warmup_steps) / decay_steps)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def tensor_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """fp32 L2 norm of each gradient tensor, stacked, on the tensors' device."""
+    return torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads])
+
+
+def global_norm(norms: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(norms, 2)
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """Scale for the gradients, as torch.nn.utils.clip_grad_norm_ computes it (1 when clipping is off)."""
+    if max_grad_norm <= 0:
+        return torch.ones_like(total_norm)
+    return torch.clamp(max_grad_norm / (total_norm + CLIP_EPS), max=1.0)
+
+
+def make_adamw(decay: List[torch.Tensor], no_decay: List[torch.Tensor], t) -> torch.optim.AdamW:
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+class HostAdamW:
+    """AdamW over each unit's flat host buffers, one fused torch.optim.AdamW per unit.
+
+    Parameters are `nn.Parameter` views of the master buffer and Adam's state is pre-seeded with views of the m and
+    v buffers, so the fused kernel updates the store in place. Gradients are handed over per call as a flat buffer
+    of the unit's layout (a host-tier gradient or a staging buffer that held it). Every unit has its own step
+    counter; a step skipped by the NaN guard is skipped for all units, so the counters stay equal.
+    """
+
+    def __init__(self, layouts, masters, ms, vs, t):
+        self.layouts = layouts
+        self.opts: List[torch.optim.AdamW] = []
+        self.params: List[List[torch.nn.Parameter]] = []
+        for layout, master, m, v in zip(layouts, masters, ms, vs):
+            pv, mv, vv = layout.views(master), layout.views(m), layout.views(v)
+            decay, no_decay, ordered = [], [], []
+            for spec in layout.specs:
+                p = torch.nn.Parameter(pv[spec.name], requires_grad=False)
+                ordered.append(p)
+                (decay if spec.decay else no_decay).append(p)
+            opt = make_adamw(decay, no_decay, t)
+            for spec, p in zip(layout.specs, ordered):
+                opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": mv[spec.name], "exp_avg_sq": vv[spec.name]}
+            self.opts.append(opt)
+            self.params.append(ordered)
+
+    def step_unit(self, index: int, grad_flat: torch.Tensor, lr: float) -> None:
+        for p, g in zip(self.params[index], self.layouts[index].views(grad_flat).values()):
+            p.grad = g
+        opt = self.opts[index]
+        set_lr(opt, lr)
+        opt.step()
+        for p in self.params[index]:
+            p.grad = None
+
+    def step_count(self, index: int) -> float:
+        return float(self.opts[index].state[self.params[index][0]]["step"])

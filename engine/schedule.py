@@ -1,0 +1,401 @@
+"""The streaming engine's step: the one place that orders work (DESIGN.md §3).
+
+One step over M micro-batches:
+1. Forward, layer-major. The embedding, then each decoder layer is visited once: its weights arrive in a slot
+   (H2D, prefetched `slots - 1` units ahead), all M micro-batches run through it without autograd, and each layer
+   input is kept as a checkpoint (GPU, or pinned host memory via the D2H stream).
+2. Head. Final norm + LM head + cross-entropy run forward and backward per micro-batch right away (the loss is the
+   end of the graph), giving each micro-batch's residual gradient and the head's parameter gradient.
+3. Backward, layers L..1. Each layer's weights are found still resident (the last `slots` layers of the forward,
+   or every layer when the plan caches weights) or streamed again; each micro-batch's forward is recomputed from its
+   checkpoint with autograd on and back-propagated with `torch.autograd.grad`. The layer's gradient accumulates in
+   fp32 on the GPU over micro-batches (bf16 autograd gradients are upcast exactly, as autocast's cast-backward
+   does in the reference), its per-tensor norms are taken on the GPU, and it either stays on the GPU (grads tier
+   gpu) or goes to pinned host memory on the D2H stream. Then the embedding's backward (a scatter-add, no weights).
+4. Optimizer. The global norm needs every gradient, so the host reads it once, after the backward (the step's
+   single synchronisation). A non-finite norm skips the update. Otherwise a worker thread runs AdamW unit by unit
+   in forward order (embedding, layer 1, ...), fetching GPU-tier gradients through a two-deep pinned staging pair,
+   and raises each unit's "updated" flag; the next step's forward streams unit u as soon as its flag is up, so the
+   update of step t overlaps the forward of step t+1.
+
+The embedding and head have slots of their own (they differ in size from layers); layers share a ring of
+`engine.slots` slots, or one slot each when the plan caches weights from forward to backward. With tied
+embeddings the head reads the embedding slot's matrix and both gradients accumulate into the embedding's
+accumulator (head first, then the lookup: the same sum as the reference, in a different order of the same terms,
+so tied models agree with the reference to fp32 rounding rather than bit for bit).
+
+On a CPU-only torch every stream and event is a synchronous stand-in (engine/device.py): same code, no overlap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from engine import optim
+from engine.device import Device, autocast_ctx
+from engine.model import ModelSpec
+from engine.optim import HostAdamW
+from engine.store import HostStore
+from engine.stream import CheckpointStore, Slot, StallTimer, WeightLoader
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+
+
+def _leaves(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().requires_grad_() for k, v in params.items()}
+
+
+class _Accumulator:
+    """A unit's fp32 gradient on the GPU, in the unit's flat layout."""
+
+    def __init__(self, dev: Device, layout):
+        self.layout = layout
+        self.flat = torch.zeros(layout.numel, dtype=torch.float32, device=dev.device)
+        self.views = layout.views(self.flat)
+        self.fresh = True  # next accumulation overwrites instead of adding
+        self.d2h_done = dev.event()
+
+    def add(self, grads: Dict[str, torch.Tensor]) -> None:
+        for name, g in grads.items():
+            if self.fresh:
+                self.views[name].copy_(g)
+            else:
+                self.views[name].add_(g)
+        self.fresh = False
+
+
+class StreamEngine:
+    name = "stream"
+
+    def __init__(self, spec: ModelSpec, cfg, device: torch.device, compute_dtype: torch.dtype, plan):
+        t = cfg.train
+        self.spec, self.t, self.compute_dtype = spec, t, compute_dtype
+        self.dev = Device(device)
+        placement = plan.placement
+        self.grads_on_gpu = placement["grads_tier"] == "gpu"
+        self.cache_weights = placement["cache_weights"] == "on"
+        ckpt_on_gpu = placement["checkpoint_tier"] == "gpu"
+        L, M = spec.num_layers, t.grad_accum
+        self.shape_BTD = (t.micro_batch_size, t.seq_len, spec.arch.hidden)
+        ckpt_numel = 0 if ckpt_on_gpu else L * M * self.shape_BTD[0] * self.shape_BTD[1] * self.shape_BTD[2]
+        self.store = HostStore(spec, pin=self.dev.cuda, grads_on_host=not self.grads_on_gpu,
+                               grad_staging=2 if self.grads_on_gpu else 0, host_checkpoint_numel=ckpt_numel,
+                               seed=cfg.seed)
+        layouts = self.store.layouts
+        self.opt = HostAdamW(layouts, self.store.master, self.store.m, self.store.v, t)
+
+        self.h2d, self.d2h, self.opt_d2h = self.dev.new_stream(), self.dev.new_stream(), self.dev.new_stream()
+        self.loader = WeightLoader(self.dev, self.h2d, self.store.master, layouts, compute_dtype)
+        layer_layouts = [u.layout for u in spec.layer_units]
+        self.embed_slot = self.loader.new_slot([layouts[0]])
+        self.head_slot = self.loader.new_slot([layouts[-1]])
+        n_layer_slots = L if self.cache_weights else min(cfg.engine.slots, L)
+        self.layer_slots = [self.loader.new_slot(layer_layouts) for _ in range(n_layer_slots)]
+        self.slot_version: Dict[int, int] = {}  # id(slot) -> weights version it holds
+
+        self.acc: Dict[int, _Accumulator] = {0: _Accumulator(self.dev, layouts[0]),
+                                             L + 1: _Accumulator(self.dev, layouts[-1])}
+        n_layer_accs = L if self.grads_on_gpu else min(2, L)
+        self.layer_accs = [_Accumulator(self.dev, layer_layouts[0]) for _ in range(n_layer_accs)]
+
+        self.norm_offsets, n_tensors = [], 0
+        for lay in layouts:
+            self.norm_offsets.append(n_tensors)
+            n_tensors += len(lay.specs)
+        self.norms = torch.zeros(n_tensors, dtype=torch.float32, device=device)
+
+        self.ckpts = CheckpointStore(self.dev, self.h2d, self.d2h, self.store.checkpoints, L, M, self.shape_BTD)
+        self.timer = StallTimer(self.dev)
+        self.rope = spec.rope(t.seq_len, device)
+        self.version = 0  # number of optimizer passes submitted: the weights' generation
+        self.updated = [threading.Event() for _ in spec.units]
+        for ev in self.updated:
+            ev.set()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-adamw")
+        self.pending: Optional[Future] = None
+        self.skipped_steps = 0
+        self.last_optimizer_s = 0.0
+        self.optimizer_wait_s = 0.0
+
+    # ---- weights --------------------------------------------------------------------------------------------
+    def _wait_updated(self, unit: int) -> None:
+        ev = self.updated[unit]
+        start = time.perf_counter()
+        while not ev.wait(0.5):
+            if self.pending is not None and self.pending.done():
+                self.pending.result()  # re-raises the optimizer thread's exception
+                raise RuntimeError(f"host optimizer finished without updating unit {unit}")
+        self.optimizer_wait_s += time.perf_counter() - start
+
+    def _slot_for(self, unit: int, pinned_units: Sequence[int]) -> Slot:
+        if unit == 0:
+            return self.embed_slot
+        if unit == self.spec.num_layers + 1:
+            return self.head_slot
+        if self.cache_weights:
+            return self.layer_slots[unit - 1]
+        for slot in self.layer_slots:
+            if slot.unit == unit:
+                return slot
+        busy = {u for u in pinned_units}
+        for slot in self.layer_slots:  # least recently loaded slot whose unit is not needed now
+            if slot.unit not in busy:
+                self.layer_slots.remove(slot)
+                self.layer_slots.append(slot)
+                return slot
+        raise RuntimeError("no free layer slot: more units requested at once than engine.slots")
+
+    def _ensure_loaded(self, units: Sequence[int]) -> None:
+        """Make sure each unit's current weights are in (or on their way to) a slot; units[0] is needed now."""
+        for unit in units:
+            slot = self._slot_for(unit, units)
+            if slot.unit == unit and self.slot_version.get(id(slot)) == self.version:
+                continue
+            self._wait_updated(unit)
+            self.loader.load(unit, slot)
+            self.slot_version[id(slot)] = self.version
+
+    def _weights(self, unit: int) -> Dict[str, torch.Tensor]:
+        slot = self._slot_for(unit, [unit])
+        self.timer.wait(slot.ready, "weights")
+        return self.loader.bind(unit, slot)
+
+    def _release(self, unit: int) -> None:
+        self._slot_for(unit, [unit]).free.record()
+
+    def _lookahead(self, order: List[int], k: int) -> List[int]:
+        depth = 1 if self.cache_weights else len(self.layer_slots) - 1
+        return order[k:k + 1 + depth]
+
+    # ---- gradients ------------------------------------------------------------------------------------------
+    def _acc_for(self, unit: int) -> _Accumulator:
+        if unit in self.acc:
+            return self.acc[unit]
+        acc = self.layer_accs[(unit - 1) % len(self.layer_accs)]
+        if not self.grads_on_gpu:
+            self.timer.wait(acc.d2h_done, "grad_d2h")  # its previous gradient must have left for the host
+        acc.fresh = True
+        self.acc[unit] = acc
+        return acc
+
+    def _finish_grad(self, unit: int, grad_hook) -> None:
+        acc = self.acc.pop(unit) if unit not in (0, self.spec.num_layers + 1) else self.acc[unit]
+        if grad_hook is not None:
+            grad_hook(unit, acc.views)
+        off = self.norm_offsets[unit]
+        self.norms[off:off + len(acc.views)] = optim.tensor_norms(list(acc.views.values()))
+        if self.grads_on_gpu:
+            self.gpu_grads[unit] = acc
+            return
+        done = self.dev.event()
+        done.record()
+        with self.dev.on(self.d2h):
+            self.dev.wait_event(self.d2h, done)
+            self.store.grads[unit].copy_(acc.flat, non_blocking=True)
+            acc.d2h_done.record(self.d2h)
+        self.grad_landed[unit] = acc.d2h_done
+
+    # ---- the step -------------------------------------------------------------------------------------------
+    def _forward(self, ids: List[torch.Tensor], keep: bool) -> List[torch.Tensor]:
+        spec, L = self.spec, self.spec.num_layers
+        order = list(range(L + 2))
+        self._ensure_loaded(self._lookahead(order, 0))
+        p = self._weights(0)
+        with torch.no_grad():
+            x = [spec.embed(p, i) for i in ids]
+        for k in range(1, L + 1):
+            self._ensure_loaded(self._lookahead(order, k))
+            p = self._weights(k)
+            with torch.no_grad(), autocast_ctx(self.dev.device, self.compute_dtype):
+                for m in range(len(x)):
+                    if keep:
+                        self.ckpts.put(k - 1, m, x[m])
+                    x[m] = spec.layer(p, x[m], self.rope)
+            self._release(k)
+        self._ensure_loaded([L + 1])
+        return x
+
+    def _head(self, x: List[torch.Tensor], labels: List[torch.Tensor], n_tokens: int, grad_hook):
+        spec, head = self.spec, self.spec.num_layers + 1
+        p = _leaves(self._weights(head))
+        tied = _leaves(self.loader.bind(0, self.embed_slot)) if spec.tied else None
+        acc, emb_acc = self.acc[head], self.acc[0]
+        acc.fresh = emb_acc.fresh = True
+        dx, loss_total = [], torch.zeros((), device=self.dev.device)
+        names = list(p)
+        for x_m, lab in zip(x, labels):
+            x_m = x_m.detach().requires_grad_()
+            with autocast_ctx(self.dev.device, self.compute_dtype):
+                tied_w = tied[spec.tied_weight_name] if tied else None
+                loss = spec.loss_sum(p, x_m, lab, tied_w) / n_tokens
+            inputs = [x_m] + [p[n] for n in names] + ([tied_w] if tied else [])
+            grads = torch.autograd.grad(loss, inputs)
+            dx.append(grads[0])
+            acc.add(dict(zip(names, grads[1:1 + len(names)])))
+            if tied:
+                emb_acc.add({spec.tied_weight_name: grads[-1]})
+            loss_total += loss.detach()
+        self._release(head)
+        self._finish_grad(head, grad_hook)
+        return dx, loss_total
+
+    def _backward(self, dx: List[torch.Tensor], grad_hook) -> None:
+        spec, L = self.spec, self.spec.num_layers
+        order = list(range(L, 0, -1))
+        for k, unit in enumerate(order):
+            self._ensure_loaded(self._lookahead(order, k))
+            p = _leaves(self._weights(unit))
+            names = list(p)
+            acc = self._acc_for(unit)
+            for m in range(len(dx)):
+                if m + 1 < len(dx):
+                    self.ckpts.prefetch(unit - 1, m + 1)
+                elif k + 1 < len(order):
+                    self.ckpts.prefetch(unit - 2, 0)
+                x_in = self.ckpts.get(unit - 1, m, self.timer).requires_grad_()
+                with autocast_ctx(self.dev.device, self.compute_dtype):
+                    y = spec.layer(p, x_in, self.rope)
+                grads = torch.autograd.grad(y, [x_in] + [p[n] for n in names], grad_outputs=dx[m])
+                dx[m] = grads[0]
+                acc.add(dict(zip(names, grads[1:])))
+                del y, grads, x_in
+            self._release(unit)
+            self._finish_grad(unit, grad_hook)
+
+    def _embed_backward(self, ids: List[torch.Tensor], dx: List[torch.Tensor], grad_hook) -> None:
+        name = self.spec.tied_weight_name
+        weight = self.loader.bind(0, self.embed_slot)[name].detach().requires_grad_()
+        acc = self.acc[0]
+        for ids_m, dx_m in zip(ids, dx):
+            (g,) = torch.autograd.grad(self.spec.embed({name: weight}, ids_m), [weight], grad_outputs=dx_m)
+            acc.add({name: g})
+        self._release(0)
+        self._finish_grad(0, grad_hook)
+
+    def train_step(self, batches: Sequence[Batch], lr: float, grad_hook=None) -> dict:
+        t0 = time.perf_counter()
+        self.optimizer_wait_s = 0.0
+        n_tokens = sum(labels.numel() for _, labels in batches)
+        ids = [i.to(self.dev.device, non_blocking=True) for i, _ in batches]
+        labels = [lab.to(self.dev.device, non_blocking=True) for _, lab in batches]
+        self.gpu_grads: Dict[int, _Accumulator] = {}
+        self.grad_landed: Dict[int, object] = {}
+        self.timer.reset()
+        self.timer.mark("start")
+        x = self._forward(ids, keep=True)
+        self.timer.mark("forward")
+        dx, loss_total = self._head(x, labels, n_tokens, grad_hook)
+        del x
+        self.timer.mark("head")
+        self._backward(dx, grad_hook)
+        self._embed_backward(ids, dx, grad_hook)
+        self.timer.mark("backward")
+        del dx
+        self.ckpts.clear()
+
+        total_norm = optim.global_norm(self.norms)
+        norm_value = float(total_norm)  # the step's one synchronisation
+        skipped = not torch.isfinite(total_norm).item()
+        coef = optim.clip_coefficient(total_norm, self.t.max_grad_norm).cpu()
+        phases = self.timer.read()
+        previous_optimizer_s = self.last_optimizer_s
+        self.skipped_steps += int(skipped)
+        self.version += 1
+        for ev in self.updated:
+            ev.clear()
+        self.pending = self.pool.submit(self._optimizer_pass, coef, lr, skipped,
+                                        dict(self.gpu_grads), dict(self.grad_landed))
+        record = {"loss": float(loss_total), "grad_norm": norm_value, "skipped": skipped,
+                  "skipped_steps": self.skipped_steps, "tokens": n_tokens,
+                  "step_s": time.perf_counter() - t0, "optimizer_s": previous_optimizer_s,
+                  "optimizer_wait_s": self.optimizer_wait_s}
+        record.update(phases)
+        return record
+
+    def _optimizer_pass(self, coef: torch.Tensor, lr: float, skipped: bool, gpu_grads, grad_landed) -> None:
+        start = time.perf_counter()
+        units = list(range(len(self.spec.units)))
+        if skipped:
+            for ev in self.updated:
+                ev.set()
+            return
+        scale = float(coef) < 1.0
+
+        def fetch(k: int):
+            acc = gpu_grads[units[k]]
+            buf = self.store.grad_staging[k % 2][:acc.flat.numel()]
+            with self.dev.on(self.opt_d2h):
+                buf.copy_(acc.flat, non_blocking=True)
+                ev = self.dev.event()
+                ev.record(self.opt_d2h)
+            return buf, ev
+
+        nxt = fetch(0) if self.grads_on_gpu else None
+        for k, unit in enumerate(units):
+            if self.grads_on_gpu:
+                grad, ev = nxt
+                if k + 1 < len(units):
+                    nxt = fetch(k + 1)
+            else:
+                grad, ev = self.store.grads[unit], grad_landed[unit]
+            ev.synchronize()
+            if scale:
+                grad.mul_(coef)
+            self.opt.step_unit(unit, grad, lr)
+            self.updated[unit].set()
+        self.last_optimizer_s = time.perf_counter() - start
+
+    def _drain(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+
+    @torch.no_grad()
+    def eval_loss(self, batches: Sequence[Batch]) -> float:
+        ids = [i.to(self.dev.device) for i, _ in batches]
+        labels = [lab.to(self.dev.device) for _, lab in batches]
+        x = self._forward(ids, keep=False)
+        head = self.spec.num_layers + 1
+        p = self._weights(head)
+        tied = self.loader.bind(0, self.embed_slot)[self.spec.tied_weight_name] if self.spec.tied else None
+        total = torch.zeros((), dtype=torch.float64, device=self.dev.device)
+        with autocast_ctx(self.dev.device, self.compute_dtype):
+            for x_m, lab in zip(x, labels):
+                total += self.spec.loss_sum(p, x_m, lab, tied).double()
+        self._release(head)
+        self._release(0)
+        return float(total) / sum(lab.numel() for lab in labels)
+
+    def master_weights(self) -> Dict[str, torch.Tensor]:
+        self._drain()
+        return {u.layout.prefix + name: t.clone() for u in self.spec.units
+                for name, t in self.store.unit_views("master", u.index).items()}
+
+    def adam_moments(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+        self._drain()
+        out = {}
+        for u in self.spec.units:
+            m, v = self.store.unit_views("m", u.index), self.store.unit_views("v", u.index)
+            for name in m:
+                out[u.layout.prefix + name] = (m[name].clone(), v[name].clone())
+        return out
+
+    def memory_bytes(self) -> Dict[str, int]:
+        out = {f"host_{k}": b for k, b in self.store.bytes_by_kind.items()}
+        gpu = sum(s.cast.numel() * s.cast.element_size() + 4 * s.tail.numel()
+                  for s in [self.embed_slot, self.head_slot] + self.layer_slots)
+        out["device_slots"] = gpu
+        accs = list({id(a): a for a in list(self.acc.values()) + self.layer_accs}.values())
+        out["device_grad_accumulators"] = sum(4 * a.flat.numel() for a in accs)
+        return out
+
+    def close(self) -> None:
+        try:
+            self._drain()
+        finally:
+            self.pool.shutdown(wait=True)
+            self.store.close()

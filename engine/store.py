@@ -1,0 +1,90 @@
+"""Host-resident training state: per-unit flat fp32 master weights, Adam m and v, and host-tier buffers.
+
+Everything lives in one host arena allocated once, carved into aligned per-unit views. Only the parts that cross
+the PCIe link asynchronously (master weights streamed H2D, gradients and checkpoints landing D2H) need page-locked
+memory; they are allocated as plain memory and pinned with cudaHostRegister, one registration per region. Two
+reasons not to use `torch.empty(pin_memory=True)`: the caching host allocator rounds every request up to a power of
+two (a 91 GB request would take 128 GB), and m/v are only touched by the CPU optimizer, so pinning them would cost
+registration time for nothing. On a CPU-only torch nothing is pinned and the layout is the same.
+
+Bytes: 12 per parameter (fp32 master, m, v), plus 4 per parameter for gradients when the plan keeps them on the
+host, plus host-tier checkpoints, plus a small pinned staging ring for gradients kept on the GPU. `bytes_by_kind`
+reports exactly what was allocated; the layout padding (tensors aligned to 64 elements) is included.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List
+
+import torch
+
+from engine.model import ModelSpec
+
+class HostStore:
+    def __init__(self, spec: ModelSpec, pin: bool, grads_on_host: bool, grad_staging: int,
+                 host_checkpoint_numel: int, seed: int, init_threads: int = 8):
+        self.spec = spec
+        self.layouts = [u.layout for u in spec.units]
+        numels = [lay.numel for lay in self.layouts]
+        self.total_numel = sum(numels)
+        self.pin = pin
+        self.bytes_by_kind: Dict[str, int] = {}
+        self.pinned: List[torch.Tensor] = []
+
+        self.master = self._split(self._alloc("master", sum(numels)), numels)
+        self.m = self._split(self._alloc("adam_m", sum(numels), zero=True), numels)
+        self.v = self._split(self._alloc("adam_v", sum(numels), zero=True), numels)
+        to_pin: List[torch.Tensor] = []
+        self.grads = None
+        if grads_on_host:
+            self.grads = self._split(self._alloc("grads", sum(numels)), numels)
+            to_pin += self.grads  # one registration per unit: every copy stays inside one registered region
+        self.grad_staging = [self._alloc("grad_staging", max(numels)) for _ in range(grad_staging)]
+        to_pin += self.grad_staging
+        self.checkpoints = None
+        if host_checkpoint_numel:
+            self.checkpoints = self._alloc("checkpoints", host_checkpoint_numel)
+            to_pin.append(self.checkpoints)
+
+        def init_unit(unit) -> None:
+            flat = self.master[unit.index]
+            flat.zero_()  # the alignment padding between tensors
+            spec.init_unit(unit, unit.layout.views(flat), seed)
+            self._pin(flat)
+
+        def touch_and_pin(t: torch.Tensor) -> None:
+            t.zero_()
+            self._pin(t)
+
+        with ThreadPoolExecutor(max_workers=init_threads) as pool:
+            list(pool.map(init_unit, spec.units))
+            list(pool.map(touch_and_pin, to_pin))
+
+    def _alloc(self, kind: str, numel: int, zero: bool = False) -> torch.Tensor:
+        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + 4 * numel
+        return torch.zeros(numel, dtype=torch.float32) if zero else torch.empty(numel, dtype=torch.float32)
+
+    @staticmethod
+    def _split(arena: torch.Tensor, numels: List[int]) -> List[torch.Tensor]:
+        return list(torch.split(arena, numels))
+
+    def _pin(self, t: torch.Tensor) -> None:
+        if not self.pin:
+            return
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed with "
+                               f"CUDA error {int(err)}; the host may not allow that much locked memory (ulimit -l)")
+        self.pinned.append(t)
+
+    def unit_views(self, which: str, index: int) -> Dict[str, torch.Tensor]:
+        return self.layouts[index].views(getattr(self, which)[index])
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_kind.values())
+
+    def close(self) -> None:
+        for t in self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        self.pinned = []

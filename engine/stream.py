@@ -1,0 +1,184 @@
+"""The GPU side of the streaming engine: weight slots, the copy streams and the events that order them.
+
+Three streams: compute (the current stream), H2D (weights and host-tier checkpoints coming in) and D2H
+(gradients and checkpoints going out). The only synchronisation is by events, as DESIGN.md §3 names them:
+- *param ready*: recorded on H2D after a unit's weights landed in a slot; compute waits on it;
+- *buffer free*: recorded on compute after a slot's last use; the next H2D into that slot waits on it;
+- *compute done*: recorded on compute after a gradient (or checkpoint) is final; the D2H copy waits on it.
+The host thread never blocks on the device inside a step, except on the host optimizer's per-unit "updated" flag
+(a weight cannot be streamed before step t's update wrote it) and once per step on the gradient norm.
+
+A slot holds one unit as two buffers: the cast segment of its layout in the compute dtype and the fp32 tail
+(norms, biases, embedding). A load copies the unit's fp32 master from pinned host memory: the tail straight into the
+slot, the cast segment in chunks through one fp32 staging buffer, each chunk cast on the H2D stream (the cast is a
+0.1%-of-the-copy-time kernel, so it does not need a stream of its own). Templates read the slot through views.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from engine.device import Device
+from engine.model.layout import UnitLayout
+
+STAGING_ELEMS = 64 * 2**20  # fp32 elements per H2D chunk of a cast segment (256 MiB)
+
+
+class Slot:
+    def __init__(self, dev: Device, cast_numel: int, tail_numel: int, dtype: torch.dtype):
+        self.cast = dev.empty((cast_numel,), dtype)
+        self.tail = dev.empty((tail_numel,), torch.float32)
+        self.ready = dev.event()
+        self.free = dev.event()
+        self.unit: Optional[int] = None  # which unit's weights the slot holds (valid once `ready` completes)
+
+    def fits(self, layout: UnitLayout) -> bool:
+        return self.cast.numel() >= layout.cast_numel and self.tail.numel() >= layout.numel - layout.cast_numel
+
+
+class WeightLoader:
+    """Streams units' fp32 master weights (pinned host) into GPU slots on the H2D stream."""
+
+    def __init__(self, dev: Device, h2d_stream, masters: List[torch.Tensor], layouts: List[UnitLayout],
+                 compute_dtype: torch.dtype):
+        self.dev, self.stream, self.masters, self.layouts = dev, h2d_stream, masters, layouts
+        self.dtype = compute_dtype
+        biggest_cast = max(lay.cast_numel for lay in layouts)
+        self.staging = dev.empty((min(biggest_cast, STAGING_ELEMS),), torch.float32) if biggest_cast else None
+
+    def new_slot(self, layouts: List[UnitLayout]) -> Slot:
+        return Slot(self.dev, max(lay.cast_numel for lay in layouts),
+                    max(lay.numel - lay.cast_numel for lay in layouts), self.dtype)
+
+    def load(self, unit: int, slot: Slot) -> None:
+        """Queue the copy of `unit` into `slot` behind the slot's last use; records `slot.ready`."""
+        layout, master = self.layouts[unit], self.masters[unit]
+        if not slot.fits(layout):
+            raise ValueError(f"slot too small for unit {unit}")
+        with self.dev.on(self.stream):
+            self.dev.wait_event(self.stream, slot.free)
+            tail_n = layout.numel - layout.cast_numel
+            slot.tail[:tail_n].copy_(master[layout.cast_numel:], non_blocking=True)
+            for start in range(0, layout.cast_numel, self.staging.numel() if self.staging is not None else 1):
+                n = min(self.staging.numel(), layout.cast_numel - start)
+                chunk = self.staging[:n]
+                chunk.copy_(master[start:start + n], non_blocking=True)
+                slot.cast[start:start + n].copy_(chunk)
+            slot.ready.record(self.stream)
+        slot.unit = unit
+
+    def bind(self, unit: int, slot: Slot) -> Dict[str, torch.Tensor]:
+        return self.layouts[unit].bind(slot.cast, slot.tail)
+
+
+class StallTimer:
+    """Phase times and compute-stream stalls of one step.
+
+    On CUDA, events on the compute stream: `mark(name)` records a phase boundary, and a stall is the time between an
+    event recorded just before a `wait_event` and one just after it, i.e. how long compute sat waiting for a copy.
+    Read after the step's synchronisation point. On CPU, copies are synchronous, so stalls are zero and phases are
+    wall-clock.
+    """
+
+    def __init__(self, dev: Device):
+        self.dev = dev
+        self.marks: List[tuple] = []
+        self.stalls: List[tuple] = []
+
+    def reset(self) -> None:
+        self.marks, self.stalls = [], []
+
+    def mark(self, name: str) -> None:
+        if self.dev.cuda:
+            ev = self.dev.event(timing=True)
+            ev.record()
+            self.marks.append((name, ev))
+        else:
+            self.marks.append((name, time.perf_counter()))
+
+    def wait(self, event, kind: str) -> None:
+        """Make compute wait for `event`, timing the stall."""
+        if not self.dev.cuda:
+            return
+        before, after = self.dev.event(timing=True), self.dev.event(timing=True)
+        before.record()
+        self.dev.wait_event(None, event)
+        after.record()
+        self.stalls.append((kind, before, after))
+
+    def read(self) -> Dict[str, float]:
+        out: Dict[str, float] = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            seconds = a.elapsed_time(b) / 1e3 if self.dev.cuda else b - a
+            out[f"{name}_s"] = out.get(f"{name}_s", 0.0) + seconds
+        for kind, a, b in self.stalls:
+            out[f"{kind}_stall_s"] = out.get(f"{kind}_stall_s", 0.0) + a.elapsed_time(b) / 1e3
+        return out
+
+
+class CheckpointStore:
+    """Layer-input checkpoints of every micro-batch, on the GPU or in pinned host memory.
+
+    Entry (i, m) is the input of decoder layer i (0-based) for micro-batch m; the head's input never leaves the GPU. Host-tier entries are
+    copied out on the D2H stream once compute has produced them (the GPU tensor is kept alive for that copy by
+    record_stream) and fetched back on the H2D stream for the backward, one micro-batch ahead.
+    """
+
+    def __init__(self, dev: Device, h2d_stream, d2h_stream, host_buffer: Optional[torch.Tensor],
+                 num_layers: int, micro_batches: int, shape_BTD: tuple):
+        self.dev, self.h2d, self.d2h = dev, h2d_stream, d2h_stream
+        self.shape = shape_BTD
+        self.numel = shape_BTD[0] * shape_BTD[1] * shape_BTD[2]
+        self.on_gpu = host_buffer is None
+        self.gpu: Dict[tuple, torch.Tensor] = {}
+        self.host: Dict[tuple, torch.Tensor] = {}
+        self.pending: Dict[tuple, tuple] = {}
+        if host_buffer is not None:
+            need = num_layers * micro_batches * self.numel
+            if host_buffer.numel() < need:
+                raise ValueError(f"host checkpoint buffer holds {host_buffer.numel()} elements, needs {need}")
+            for i in range(num_layers):
+                for m in range(micro_batches):
+                    k = (i * micro_batches + m) * self.numel
+                    self.host[(i, m)] = host_buffer[k:k + self.numel].view(shape_BTD)
+
+    def put(self, i: int, m: int, x: torch.Tensor) -> None:
+        if self.on_gpu:
+            self.gpu[(i, m)] = x
+            return
+        done = self.dev.event()
+        done.record()
+        with self.dev.on(self.d2h):
+            self.dev.wait_event(self.d2h, done)
+            self.host[(i, m)].copy_(x, non_blocking=True)
+            self.dev.record_stream(x, self.d2h)
+
+    def prefetch(self, i: int, m: int) -> None:
+        if self.on_gpu or (i, m) in self.pending:
+            return
+        with self.dev.on(self.h2d):
+            x = torch.empty(self.shape, dtype=torch.float32, device=self.dev.device)
+            # the D2H that wrote this entry must be complete: order the streams through an event
+            written = self.dev.event()
+            written.record(self.d2h)
+            self.dev.wait_event(self.h2d, written)
+            x.copy_(self.host[(i, m)], non_blocking=True)
+            ready = self.dev.event()
+            ready.record(self.h2d)
+        self.pending[(i, m)] = (x, ready)
+
+    def get(self, i: int, m: int, timer: StallTimer) -> torch.Tensor:
+        if self.on_gpu:
+            return self.gpu.pop((i, m))
+        self.prefetch(i, m)
+        x, ready = self.pending.pop((i, m))
+        timer.wait(ready, "checkpoint")
+        self.dev.record_stream(x, self.dev.current_stream())
+        return x
+
+    def clear(self) -> None:
+        self.gpu.clear()
+        self.pending.clear()
