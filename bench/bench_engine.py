@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -142,16 +141,19 @@ def main() -> None:
     meta = _versions()
     meta["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     rows = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial.jsonl")  # rows as they finish, should the whole call be cut short
     for grid in args.grid:
         for name, overrides in GRIDS[grid]:
             print(f"[bench] {grid}/{name}: {' '.join(overrides)}", flush=True)
             row = {**run_job(name, overrides, workdir, args.timeout_s), **meta, "grid": grid}
             rows.append(row)
+            with open(partial, "a") as f:
+                f.write(json.dumps(row) + "\n")
             status = row.get("error") or f"{row['tokens_per_s']:,.0f} tok/s, {row['tflops']:.1f} TFLOPS"
             print(f"[bench] {name}: {status}", flush=True)
     add_ratios(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
@@ -164,7 +166,7 @@ def main() -> None:
         ratio = f"{r['ratio_vs_reference']:.2f}" if "ratio_vs_reference" in r else ""
         print(f"{r['job']:30} {r['tokens_per_s']:>10,.0f} {r['step_s']:>8.2f} {r['tflops']:>8.1f} {mfu:>6} "
               f"{r['gpu_mem_gib']:>8.1f} {r['host_mem_gib']:>9.1f}  {ratio}")
-    os.sync()
+    partial.unlink()
 
 
 if __name__ == "__main__":
