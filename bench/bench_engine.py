@@ -49,6 +49,8 @@ GRIDS = {
                                "train.micro_batch_size=2", "train.grad_accum=8"]),
         ("qwen7b-reference-64k", ["model=qwen7b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=4",
                                   "train.micro_batch_size=2", "train.grad_accum=8"]),
+        ("qwen3b-stream-32k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
+                               "train.micro_batch_size=8", "train.grad_accum=1"]),
     ],
     # issue 3: the same model on a GPU capped at 24 GB (host RAM limits this one to 16K tokens per step)
     "rtx3090": [
