@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSONL file the rows are appended to")
     ap.add_argument("--workdir", default="runs/bench", help="where the jobs' run dirs and logs go")
     ap.add_argument("--timeout-s", type=int, default=900, help="per job")
+    ap.add_argument("--only", action="append", help="run just the jobs whose name contains one of these")
     args = ap.parse_args()
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -148,6 +149,8 @@ def main() -> None:
     partial = out.with_suffix(".partial.jsonl")  # rows as they finish, should the whole call be cut short
     for grid in args.grid:
         for name, overrides in GRIDS[grid]:
+            if args.only and not any(o in name for o in args.only):
+                continue
             print(f"[bench] {grid}/{name}: {' '.join(overrides)}", flush=True)
             row = {**run_job(name, overrides, workdir, args.timeout_s), **meta, "grid": grid}
             rows.append(row)

@@ -153,6 +153,10 @@ def validate(cfg: DictConfig) -> None:
     """Checks that need more than types. Raises ConfigError naming the key; allocates nothing."""
     m, t, d = cfg.model, cfg.train, cfg.data
     _choice("model.model_type", m.model_type, MODEL_TYPES)
+    family = {"qwen2": (True, False), "qwen3": (False, True), "llama": (False, False)}[m.model_type]
+    if (m.qkv_bias, m.qk_norm) != family:
+        raise ConfigError(f"model.model_type={m.model_type} has qkv_bias={family[0]} and qk_norm={family[1]} in its "
+                          f"HF architecture; got qkv_bias={m.qkv_bias}, qk_norm={m.qk_norm}")
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size"):
         _positive(f"model.{key}", m[key])
