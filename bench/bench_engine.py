@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 SEQ = "train.seq_len=4096"
 THROUGHPUT = ["train=throughput", "data=stdlib"]
 
@@ -69,12 +70,10 @@ def _versions() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
+    from engine.metrics import git_sha
+
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version,
-            "git_sha": (sha.stdout.strip() or "unknown") + ("+dirty" if dirty else "")}
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "git_sha": git_sha()}
 
 
 def _median(rows, key):

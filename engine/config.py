@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -197,7 +197,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
     if t.seq_len > m.max_position_embeddings:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
-                          f"{m.max_position_embeddings} of model={m.name}")
+                          f"{m.max_position_embeddings} of model={m.name}; raise model.max_position_embeddings to "
+                          "train past the published context")
     _choice("train.precision", t.precision, ("fp32_master",))
     _choice("train.compute_dtype", t.compute_dtype, ("auto", "bf16", "fp32"))
     _choice("train.resume", t.resume, ("none",))

@@ -29,6 +29,7 @@ windows) and is cached, so a batch costs one gather of B*(seq_len+1) tokens plus
 
 from __future__ import annotations
 
+import abc
 import argparse
 import hashlib
 import json
@@ -63,7 +64,7 @@ def _mix(*parts: Any) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-class TokenData:
+class TokenData(abc.ABC):
     """A tokenised corpus split into train/val, served as fixed-length sequences."""
 
     def __init__(self, *, seq_len: int, seed: int, vocab_size: int, fingerprint: str, description: dict):
@@ -73,12 +74,13 @@ class TokenData:
         self.fingerprint = fingerprint
         self.description = description
 
+    @abc.abstractmethod
     def num_sequences(self, split: str) -> int:
-        raise NotImplementedError
+        """Windows in one epoch of the split."""
 
+    @abc.abstractmethod
     def _windows(self, split: str, first: int, count: int) -> torch.Tensor:
         """Positions first ... first+count-1 of the split's endless order, as int64 [count, seq_len+1]."""
-        raise NotImplementedError
 
     def batch(self, split: str, index: int, batch_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(ids_BT, labels_BT): int64 CPU tensors [batch_size, seq_len]; labels are the next tokens."""

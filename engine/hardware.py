@@ -40,3 +40,14 @@ def apply_gpu_cap(hw, device: torch.device) -> float:
         torch.cuda.set_per_process_memory_fraction(hw.gpu_mem_gib / total_gib, device)
         return hw.gpu_mem_gib
     return total_gib
+
+
+def peak_tflops(hw, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The MFU denominator and the profile it comes from: the GPU this process really runs on, so that a capped
+    profile (hardware=rtx3090 on an H200) keeps its memory limit but is not credited with the smaller GPU's peak."""
+    field = "peak_bf16_tflops" if dtype == torch.bfloat16 else "peak_fp32_tflops"
+    name = hw.name
+    if device.type == "cuda" and detect_profile() != hw.name:
+        name = detect_profile()
+        return float(OmegaConf.load(CONF_DIR / f"{name}.yaml")[field]), name
+    return float(hw[field]), name

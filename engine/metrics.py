@@ -157,7 +157,8 @@ def gpu_peak_mem_gib() -> float:
 
 
 def git_sha() -> str:
-    """Short revision of the repository holding this file, "+dirty" when tracked files differ from it."""
+    """Short revision of the repository holding this file, "+dirty" when tracked files differ from it. A copy of
+    the tree without .git (e.g. sent to a benchmark machine) can name its revision in STREAMTRAIN_GIT_SHA."""
     repo = Path(__file__).resolve().parent
 
     def git(*args: str) -> str:
@@ -168,7 +169,7 @@ def git_sha() -> str:
         sha = git("rev-parse", "--short", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):  # no git binary, not a repository, or no commit yet
-        return "unknown"
+        return os.environ.get("STREAMTRAIN_GIT_SHA", "unknown")
     return sha + ("+dirty" if dirty else "")
 
 

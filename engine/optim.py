@@ -93,3 +93,10 @@ class HostAdamW:
 
     def step_count(self, index: int) -> float:
         return float(self.opts[index].state[self.params[index][0]]["step"])
+
+    def set_step_count(self, index: int, step: float) -> None:
+        for p in self.params[index]:
+            self.opt_state(index, p)["step"].fill_(step)
+
+    def opt_state(self, index: int, p: torch.nn.Parameter) -> dict:
+        return self.opts[index].state[p]

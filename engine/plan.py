@@ -45,10 +45,12 @@ class MemoryPlan:
         """Why the plan does not fit, or "" when it does."""
         for tier, limit in self.limits_gib.items():
             if limit and self.total(tier) > limit * GIB:
+                alternatives = "a smaller model or other hardware"
+                if self.engine == "reference":
+                    alternatives += ", or engine=stream (state in host RAM)"
                 return (f"The plan needs {self.total(tier) / GIB:.1f} GiB of {tier} memory but the hardware config "
-                        f"allows {limit:.1f} GiB. Fewer tokens per step (train.micro_batch_size, train.grad_accum, "
-                        "train.seq_len), a smaller model, other hardware, or engine=stream (for the reference "
-                        "engine) would fit.")
+                        f"allows {limit:.1f} GiB. Try fewer tokens per step (train.micro_batch_size, "
+                        f"train.grad_accum, train.seq_len), {alternatives}.")
         return ""
 
     def table(self) -> str:

@@ -103,8 +103,8 @@ class ReferenceEngine:
 
     def master_weights(self) -> Dict[str, torch.Tensor]:
         """fp32 weights by HF name (copies on the CPU)."""
-        return {u.layout.prefix + name: p.detach().to("cpu", copy=True) for u, ps in zip(self.spec.units, self.params)
-                for name, p in ps.items()}
+        return {u.layout.prefix + name: p.detach().to("cpu", copy=True)
+                for u, ps in zip(self.spec.units, self.params) for name, p in ps.items()}
 
     def adam_moments(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         out = {}
@@ -112,8 +112,31 @@ class ReferenceEngine:
             for name, p in ps.items():
                 st = self.opt.state.get(p, {})
                 if st:
-                    out[u.layout.prefix + name] = (st["exp_avg"].to("cpu", copy=True), st["exp_avg_sq"].to("cpu", copy=True))
+                    out[u.layout.prefix + name] = tuple(st[k].to("cpu", copy=True) for k in ("exp_avg", "exp_avg_sq"))
         return out
+
+    def unit_state(self, index: int) -> dict:
+        """One unit's training state by name (live tensors on the engine's device, not copies): fp32 master
+        weights, Adam moments (empty before the first update) and Adam's step count."""
+        params = self.params[index]
+        state = {"master": {n: p.detach() for n, p in params.items()}, "exp_avg": {}, "exp_avg_sq": {}, "step": 0.0}
+        for name, p in params.items():
+            st = self.opt.state.get(p)
+            if st:
+                state["exp_avg"][name], state["exp_avg_sq"][name] = st["exp_avg"], st["exp_avg_sq"]
+                state["step"] = float(st["step"])
+        return state
+
+    @torch.no_grad()
+    def load_unit_state(self, index: int, master: Dict[str, torch.Tensor], exp_avg=None, exp_avg_sq=None,
+                        step: float = 0.0) -> None:
+        """Copy a unit's state in (names and shapes as in `unit_state`); moments are optional (HF import)."""
+        for name, p in self.params[index].items():
+            p.copy_(master[name])
+            if exp_avg is not None:
+                self.opt.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32, device=p.device),
+                                     "exp_avg": exp_avg[name].to(p.device, torch.float32).clone(),
+                                     "exp_avg_sq": exp_avg_sq[name].to(p.device, torch.float32).clone()}
 
     def memory_bytes(self) -> Dict[str, int]:
         n = sum(p.numel() for p in self.ordered)

@@ -18,8 +18,11 @@ One step over M micro-batches:
    and raises each unit's "updated" flag; the next step's forward streams unit u as soon as its flag is up, so the
    update of step t overlaps the forward of step t+1.
 
-The embedding and head have slots of their own (they differ in size from layers); layers share a ring of
-`engine.slots` slots, or one slot each when the plan caches weights from forward to backward. With tied
+The embedding and head are streamed like layers (their master weights and moments stay on the host, so a 24 GB
+GPU can train a 150K-vocabulary model), each into a slot of its own: they differ in size from a layer, and a ring
+slot sized for the embedding would waste that difference in every slot. The embedding stays fp32 (it feeds a lookup,
+not an autocast matmul). Layers share a ring of `engine.slots` slots, or one slot each when the plan caches
+weights from forward to backward. With tied
 embeddings the head reads the embedding slot's matrix and both gradients accumulate into the embedding's
 accumulator (head first, then the lookup: the same sum as the reference, in a different order of the same terms,
 so tied models agree with the reference to fp32 rounding rather than bit for bit).
@@ -350,7 +353,8 @@ class StreamEngine:
             self.updated[unit].set()
         self.last_optimizer_s = time.perf_counter() - start
 
-    def _drain(self) -> None:
+    def wait_for_optimizer(self) -> None:
+        """Block until the last submitted host update has been applied."""
         if self.pending is not None:
             self.pending.result()
 
@@ -371,18 +375,37 @@ class StreamEngine:
         return float(total) / sum(lab.numel() for lab in labels)
 
     def master_weights(self) -> Dict[str, torch.Tensor]:
-        self._drain()
+        self.wait_for_optimizer()
         return {u.layout.prefix + name: t.clone() for u in self.spec.units
                 for name, t in self.store.unit_views("master", u.index).items()}
 
     def adam_moments(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-        self._drain()
+        self.wait_for_optimizer()
         out = {}
         for u in self.spec.units:
             m, v = self.store.unit_views("m", u.index), self.store.unit_views("v", u.index)
             for name in m:
                 out[u.layout.prefix + name] = (m[name].clone(), v[name].clone())
         return out
+
+    def unit_state(self, index: int) -> dict:
+        """One unit's training state by name: views into the host store (not copies), after the pending update."""
+        self.wait_for_optimizer()
+        return {"master": self.store.unit_views("master", index), "exp_avg": self.store.unit_views("m", index),
+                "exp_avg_sq": self.store.unit_views("v", index), "step": self.opt.step_count(index)}
+
+    @torch.no_grad()
+    def load_unit_state(self, index: int, master: Dict[str, torch.Tensor], exp_avg=None, exp_avg_sq=None,
+                        step: float = 0.0) -> None:
+        """Copy a unit's state into the host store; moments are optional (HF import leaves them zero)."""
+        self.wait_for_optimizer()
+        for which, values in (("master", master), ("m", exp_avg), ("v", exp_avg_sq)):
+            if values is not None:
+                for name, view in self.store.unit_views(which, index).items():
+                    view.copy_(values[name])
+        if exp_avg is not None:
+            self.opt.set_step_count(index, step)
+        self.version += 1  # slots hold stale weights now
 
     def memory_bytes(self) -> Dict[str, int]:
         out = {f"host_{k}": b for k, b in self.store.bytes_by_kind.items()}
@@ -395,7 +418,7 @@ class StreamEngine:
 
     def close(self) -> None:
         try:
-            self._drain()
+            self.wait_for_optimizer()
         finally:
             self.pool.shutdown(wait=True)
             self.store.close()

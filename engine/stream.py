@@ -122,9 +122,9 @@ class StallTimer:
 class CheckpointStore:
     """Layer-input checkpoints of every micro-batch, on the GPU or in pinned host memory.
 
-    Entry (i, m) is the input of decoder layer i (0-based) for micro-batch m; the head's input never leaves the GPU. Host-tier entries are
-    copied out on the D2H stream once compute has produced them (the GPU tensor is kept alive for that copy by
-    record_stream) and fetched back on the H2D stream for the backward, one micro-batch ahead.
+    Entry (i, m) is the input of decoder layer i (0-based) for micro-batch m; the head's input never leaves the GPU.
+    Host-tier entries are copied out on the D2H stream once compute has produced them (record_stream keeps the GPU
+    tensor alive for that copy) and fetched back on the H2D stream for the backward, one micro-batch ahead.
     """
 
     def __init__(self, dev: Device, h2d_stream, d2h_stream, host_buffer: Optional[torch.Tensor],

@@ -10,6 +10,7 @@ function of the step; validation always reads the first `val_batches` batches of
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -69,8 +70,8 @@ class Trainer:
         plain["data_description"] = self.data.description
         plain["num_params"] = self.spec.num_params()
         plain["plan_placement"] = self.plan.placement
-        peak = (cfg.hardware.peak_bf16_tflops if self.compute_dtype == torch.bfloat16
-                else cfg.hardware.peak_fp32_tflops)
+        peak, peak_profile = hardware.peak_tflops(cfg.hardware, self.device, self.compute_dtype)
+        plain["mfu_peak"] = {"tflops": peak, "profile": peak_profile}
         self.metrics = MetricsLogger(self.run_dir, plain, cfg.model, t.seq_len, peak, cfg.logger, t.steps)
 
     def _train_batches(self, step: int):
@@ -86,9 +87,9 @@ class Trainer:
         if self.cfg.plan:
             print(self.plan.table())
             problem = self.plan.problem()
-            print(problem or "the plan fits")
             if problem:
-                raise SystemExit(2)
+                raise PlanError(problem)
+            print("the plan fits")
             return {"plan": self.plan.rows, "placement": self.plan.placement}
         t = self.cfg.train
         summary_extra = {"num_params": self.spec.num_params(), "engine": self.cfg.engine.name,
@@ -96,12 +97,18 @@ class Trainer:
                          "memory_bytes": self.engine.memory_bytes()}
         try:
             self.metrics.log_val(0, self._validate())
+            span_tokens, span_s, span_steps = 0, 0.0, 0  # steps since the last logged one
             for step in range(t.steps):
                 lr = optim.lr_at(step, t)
                 record = self.engine.train_step(self._train_batches(step), lr)
-                record["lr"] = lr
+                span_tokens += record["tokens"]
+                span_s += record["step_s"]
+                span_steps += 1
                 if (step + 1) % t.log_every == 0 or step == t.steps - 1:
+                    # with log_every > 1, tokens and step_s cover every step since the previous line
+                    record.update(lr=lr, tokens=span_tokens, step_s=span_s, steps_in_record=span_steps)
                     self.metrics.log_step(step + 1, record)
+                    span_tokens, span_s, span_steps = 0, 0.0, 0
                 last = step == t.steps - 1
                 if last or (t.val_every and (step + 1) % t.val_every == 0):
                     self.metrics.log_val(step + 1, self._validate())
@@ -113,12 +120,19 @@ class Trainer:
 
 
 def main(cfg: DictConfig) -> dict:
+    """Hydra entry. A refused config (bad value, missing file, plan that does not fit) exits with status 2 and a
+    one-paragraph message; inside a multirun it is written to the job's run dir instead, and the sweep goes on."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    run_dir = Path(hydra_cfg.runtime.output_dir) if hydra_cfg else Path(os.getcwd())
     try:
-        trainer = Trainer(cfg, run_dir)
+        return Trainer(cfg, run_dir).run()
     except (ConfigError, DataError, PlanError) as err:
         print(f"error: {err}", file=sys.stderr)
+        if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "refused.json").write_text(json.dumps({"error": str(err), "kind": type(err).__name__}))
+            return {"refused": str(err)}
         raise SystemExit(2) from None
-    return trainer.run()

@@ -25,7 +25,7 @@ def stdlib():
     return build_data(cfg(), SEQ_LEN, seed=0, model_vocab_size=32000)
 
 
-# ---------------------------------------------------------------------------------------------------------------- stdlib
+# ------------------------------------------------------------ stdlib
 
 
 def test_stdlib_shapes_and_labels_follow_stream(stdlib):
@@ -86,7 +86,7 @@ def test_stdlib_wraps_into_reshuffled_epoch(stdlib):
     assert np.array_equal(stdlib.window_starts("val", 1, n_val), stdlib.window_starts("val", 0, n_val))
 
 
-# ---------------------------------------------------------------------------------------------------------------- memmap
+# ------------------------------------------------------------ memmap
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly pack boxes of liquor".split()
 
@@ -172,7 +172,8 @@ def _copy(corpus, tmp_path):
 
 
 def test_memmap_errors_name_the_file(tmp_path, corpus):
-    load = lambda p: build_data(cfg("memmap", str(p), val_fraction=0.25), 8, seed=0, model_vocab_size=1000)
+    def load(p):
+        return build_data(cfg("memmap", str(p), val_fraction=0.25), 8, seed=0, model_vocab_size=1000)
 
     with pytest.raises(DataError, match="prepare"):
         load(tmp_path / "absent.bin")
@@ -205,7 +206,7 @@ def test_memmap_errors_name_the_file(tmp_path, corpus):
     assert result.returncode == 2 and "nothing-here" in result.stderr
 
 
-# ---------------------------------------------------------------------------------------------------------------- synthetic
+# ------------------------------------------------------------ synthetic
 
 
 def test_synthetic():
@@ -227,7 +228,7 @@ def test_synthetic():
     assert build_data(cfg("synthetic"), 16, seed=0, model_vocab_size=64).vocab_size == 64
 
 
-# ---------------------------------------------------------------------------------------------------------------- errors
+# ------------------------------------------------------------ errors
 
 
 def test_errors():
