@@ -53,6 +53,15 @@ GRIDS = {
         ("qwen3b-stream-32k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                "train.micro_batch_size=8", "train.grad_accum=1"]),
     ],
+    # issue 10: the planner's placement (GPU-updated leading units, compiled templates) at 64K and 16K tokens/step
+    "perf7b": [
+        ("qwen7b-stream-64k-auto", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
+                                    "train.micro_batch_size=2", "train.grad_accum=8"]),
+        ("qwen7b-reference-64k-compiled", ["model=qwen7b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=4",
+                                           "train.micro_batch_size=2", "train.grad_accum=8"]),
+        ("qwen7b-stream-16k-auto", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
+                                    "train.micro_batch_size=2", "train.grad_accum=2"]),
+    ],
     # issue 3: the same model on a GPU capped at 24 GB (host RAM limits this one to 16K tokens per step)
     "rtx3090": [
         ("qwen7b-stream-rtx3090-16k", ["model=qwen7b", "engine=stream", "hardware=rtx3090", *THROUGHPUT, SEQ,

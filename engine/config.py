@@ -52,7 +52,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     expected_params: Optional[int] = None  # published parameter count, checked against the built layout
-    init: str = "random"  # "random"
+    init: str = "random"  # "random" | "hf:<dir>": weights from an HF checkpoint dir (config.json + *.safetensors)
     init_std: float = 0.02
 
 
@@ -73,11 +73,18 @@ class TrainConfig:
     precision: str = "fp32_master"  # fp32 master weights and fp32 Adam moments
     compute_dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     activation_checkpointing: bool = True
+    compile: str = "auto"  # torch.compile the layer and loss templates: auto (on CUDA) | on | off
     log_every: int = 1
     val_every: int = 100  # 0: validate only at the end
     val_batches: int = 8
-    checkpoint_every: int = 0  # 0: no training-state checkpoints
-    resume: str = "none"  # none | auto
+    checkpoint_every: int = 0  # save the training state every N steps and at the end; 0: only on a signal/stop
+    keep_checkpoints: int = 3  # complete checkpoints kept (oldest removed after a save); 0 keeps all
+    checkpoint_dir: Optional[str] = None  # None: <run dir>/checkpoints
+    resume: str = "none"  # none | auto (newest complete checkpoint of checkpoint_dir, else step 0) | <step or run dir>
+    stop_at: int = 0  # stop after this many steps (saving a checkpoint) without changing the LR schedule; 0: off
+    max_consecutive_skips: int = 5  # stop (saving a checkpoint) after N non-finite steps in a row; 0: never
+    export_hf: bool = False  # at the end of training, write an HF checkpoint into <run dir>/hf
+    export_dtype: str = "bf16"  # bf16 | fp32, for export_hf
 
 
 @dataclass
@@ -91,6 +98,7 @@ class HardwareConfig:
     d2h_gbps: float = 0.0
     host_mem_gib: float = 0.0  # host RAM the run may use
     cpu_adam_gparams_per_s: float = 0.0  # fused CPU AdamW throughput
+    achieved_tflops: float = 0.0  # what the engine's layer matmuls sustain (measured); the planner's time model
 
 
 @dataclass
@@ -119,6 +127,10 @@ class EngineConfig:
     grads_tier: str = "auto"  # stream: where full gradients wait for the global norm: auto | gpu | host
     checkpoint_tier: str = "auto"  # stream: where layer-input checkpoints live: auto | gpu | host
     cache_weights: str = "auto"  # stream: keep a layer's compute-dtype weights on the GPU from forward to backward
+    # stream: how many leading units (embedding, layer 1, ...) keep optimizer state on the GPU and update there;
+    # -1: as many as the planner's time model needs so the host AdamW never stalls the forward
+    device_optimizer_units: int = -1
+    fused_kernels: bool = True  # stream: Triton gradient accumulation (kernels/grad_accum.py); off: torch ops
 
 
 @dataclass
@@ -178,8 +190,11 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"model.rope_scaling (llama3) lacks {', '.join(missing)}")
     _choice("model.hidden_act", m.hidden_act, ("silu",))
     if m.init != "random":
-        raise ConfigError(f"model.init={m.init!r} is not valid; only 'random' is implemented "
-                          "(HF checkpoint import is not built yet)")
+        if not m.init.startswith("hf:") or len(m.init) == 3:
+            raise ConfigError(f"model.init={m.init!r} is not valid; use 'random' or 'hf:<checkpoint dir>'")
+        hf_dir = os.path.expanduser(m.init[3:])
+        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+            raise ConfigError(f"model.init={m.init!r}: {hf_dir} is not an HF checkpoint directory (no config.json)")
 
     _positive("train.steps", t.steps, 0)
     _positive("train.seq_len", t.seq_len)
@@ -201,10 +216,13 @@ def validate(cfg: DictConfig) -> None:
                           "train past the published context")
     _choice("train.precision", t.precision, ("fp32_master",))
     _choice("train.compute_dtype", t.compute_dtype, ("auto", "bf16", "fp32"))
-    _choice("train.resume", t.resume, ("none",))
-    if t.checkpoint_every:
-        raise ConfigError(f"train.checkpoint_every={t.checkpoint_every}: training-state checkpoints are not "
-                          "built yet; use 0")
+    _choice("train.compile", t.compile, ("auto", "on", "off"))
+    if t.resume not in ("none", "auto") and not os.path.isdir(os.path.expanduser(t.resume)):
+        raise ConfigError(f"train.resume={t.resume!r} is not valid; use none, auto, or an existing checkpoint "
+                          "directory (a run dir or its checkpoints/step_<N>)")
+    for key in ("checkpoint_every", "keep_checkpoints", "stop_at", "max_consecutive_skips"):
+        _positive(f"train.{key}", t[key], 0)
+    _choice("train.export_dtype", t.export_dtype, ("bf16", "fp32"))
 
     _choice("data.name", d.name, ("stdlib", "memmap", "synthetic"))
     if d.name == "memmap":
@@ -225,6 +243,7 @@ def validate(cfg: DictConfig) -> None:
     for key in ("grads_tier", "checkpoint_tier"):
         _choice(f"engine.{key}", e[key], ("auto", "gpu", "host"))
     _choice("engine.cache_weights", e.cache_weights, ("auto", "on", "off"))
+    _positive("engine.device_optimizer_units", e.device_optimizer_units, -1)
 
 
 def to_plain(cfg: DictConfig) -> dict:

@@ -6,8 +6,9 @@ leaves weights, moments and Adam's step counter untouched.
 
 Both engines compute the global norm with `global_norm` from per-tensor norms taken in the model's canonical
 parameter order, clip with `clip_coefficient`, and run the same fused AdamW kernel on tensors of the same shapes, so
-on one device they produce bit-identical updates. The streaming engine runs that kernel per unit on a worker thread,
-over views into the host store's flat buffers (its moments are views into the store too, never torch allocations).
+on one device they produce bit-identical updates. The streaming engine runs that kernel per unit, over views into
+its flat buffers (moments are views too, never torch allocations): on a worker thread for units whose state is in
+host RAM, on the GPU's compute stream for the leading units whose state the plan put in GPU memory.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-class HostAdamW:
-    """AdamW over each unit's flat host buffers, one fused torch.optim.AdamW per unit.
+class FlatAdamW:
+    """AdamW over each unit's flat buffers (host or GPU memory), one fused torch.optim.AdamW per unit.
 
     Parameters are `nn.Parameter` views of the master buffer and Adam's state is pre-seeded with views of the m and
     v buffers, so the fused kernel updates the store in place. Gradients are handed over per call as a flat buffer
@@ -78,7 +79,8 @@ class HostAdamW:
                 (decay if spec.decay else no_decay).append(p)
             opt = make_adamw(decay, no_decay, t)
             for spec, p in zip(layout.specs, ordered):
-                opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": mv[spec.name], "exp_avg_sq": vv[spec.name]}
+                opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=master.device),
+                                "exp_avg": mv[spec.name], "exp_avg_sq": vv[spec.name]}
             self.opts.append(opt)
             self.params.append(ordered)
 
@@ -96,7 +98,4 @@ class HostAdamW:
 
     def set_step_count(self, index: int, step: float) -> None:
         for p in self.params[index]:
-            self.opt_state(index, p)["step"].fill_(step)
-
-    def opt_state(self, index: int, p: torch.nn.Parameter) -> dict:
-        return self.opts[index].state[p]
+            self.opts[index].state[p]["step"].fill_(step)

@@ -13,10 +13,12 @@ One step over M micro-batches:
    does in the reference), its per-tensor norms are taken on the GPU, and it either stays on the GPU (grads tier
    gpu) or goes to pinned host memory on the D2H stream. Then the embedding's backward (a scatter-add, no weights).
 4. Optimizer. The global norm needs every gradient, so the host reads it once, after the backward (the step's
-   single synchronisation). A non-finite norm skips the update. Otherwise a worker thread runs AdamW unit by unit
-   in forward order (embedding, layer 1, ...), fetching GPU-tier gradients through a two-deep pinned staging pair,
-   and raises each unit's "updated" flag; the next step's forward streams unit u as soon as its flag is up, so the
-   update of step t overlaps the forward of step t+1.
+   single synchronisation). A non-finite norm skips the update. Otherwise the leading units whose state the plan
+   put in GPU memory (`device_optimizer_units`: embedding, layer 1, ...) are updated at once on the compute
+   stream, and a worker thread runs AdamW over the rest unit by unit in forward order, fetching GPU-tier gradients
+   through a two-deep pinned staging pair, raising each unit's "updated" flag; the next step's forward streams
+   unit u as soon as its flag is up, so the host update of step t overlaps the forward of step t+1. The GPU takes
+   the first units because the forward needs them first: the host starts with a lead of those units' forward time.
 
 The embedding and head are streamed like layers (their master weights and moments stay on the host, so a 24 GB
 GPU can train a 150K-vocabulary model), each into a slot of its own: they differ in size from a layer, and a ring
@@ -42,9 +44,10 @@ import torch
 from engine import optim
 from engine.device import Device, autocast_ctx
 from engine.model import ModelSpec
-from engine.optim import HostAdamW
+from engine.optim import FlatAdamW
 from engine.store import HostStore
 from engine.stream import CheckpointStore, Slot, StallTimer, WeightLoader
+from kernels.grad_accum import accumulate_layout
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
@@ -54,21 +57,26 @@ def _leaves(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 
 class _Accumulator:
-    """A unit's fp32 gradient on the GPU, in the unit's flat layout."""
+    """A unit's fp32 gradient on the GPU, in the unit's flat layout (the host optimizer's layout, so it crosses the
+    link as one copy). `fused` accumulates all of a micro-batch's gradients in one Triton launch, bit-identical to
+    the per-tensor torch copy_/add_ it replaces (kernels/grad_accum.py)."""
 
-    def __init__(self, dev: Device, layout):
-        self.layout = layout
+    def __init__(self, dev: Device, layout, fused: bool):
+        self.layout, self.fused = layout, fused
         self.flat = torch.zeros(layout.numel, dtype=torch.float32, device=dev.device)
         self.views = layout.views(self.flat)
         self.fresh = True  # next accumulation overwrites instead of adding
         self.d2h_done = dev.event()
 
     def add(self, grads: Dict[str, torch.Tensor]) -> None:
-        for name, g in grads.items():
-            if self.fresh:
-                self.views[name].copy_(g)
-            else:
-                self.views[name].add_(g)
+        if self.fused:
+            accumulate_layout(self.layout, self.flat, grads, first=self.fresh)
+        else:
+            for name, g in grads.items():
+                if self.fresh:
+                    self.views[name].copy_(g)
+                else:
+                    self.views[name].add_(g)
         self.fresh = False
 
 
@@ -86,25 +94,41 @@ class StreamEngine:
         L, M = spec.num_layers, t.grad_accum
         self.shape_BTD = (t.micro_batch_size, t.seq_len, spec.arch.hidden)
         ckpt_numel = 0 if ckpt_on_gpu else L * M * self.shape_BTD[0] * self.shape_BTD[1] * self.shape_BTD[2]
+        n_units = len(spec.units)
+        # the leading units (embedding, layer 1, ...) whose master, moments and update live on the GPU
+        self.device_units = set(range(placement.get("device_optimizer_units", 0)))
+        self.host_units = [u for u in range(n_units) if u not in self.device_units]
         self.store = HostStore(spec, pin=self.dev.cuda, grads_on_host=not self.grads_on_gpu,
                                grad_staging=2 if self.grads_on_gpu else 0, host_checkpoint_numel=ckpt_numel,
-                               seed=cfg.seed)
+                               seed=cfg.seed, host_units=self.host_units)
         layouts = self.store.layouts
-        self.opt = HostAdamW(layouts, self.store.master, self.store.m, self.store.v, t)
+        self.master, self.m, self.v = list(self.store.master), list(self.store.m), list(self.store.v)
+        for u in sorted(self.device_units):
+            self.master[u] = torch.zeros(layouts[u].numel, dtype=torch.float32, device=device)
+            spec.init_unit(spec.units[u], layouts[u].views(self.master[u]), cfg.seed)
+            self.m[u] = torch.zeros_like(self.master[u])
+            self.v[u] = torch.zeros_like(self.master[u])
+        self.opt = FlatAdamW(layouts, self.master, self.m, self.v, t)
 
         self.h2d, self.d2h, self.opt_d2h = self.dev.new_stream(), self.dev.new_stream(), self.dev.new_stream()
-        self.loader = WeightLoader(self.dev, self.h2d, self.store.master, layouts, compute_dtype)
+        self.timer = StallTimer(self.dev)
+        self.loader = WeightLoader(self.dev, self.h2d, self.master, layouts, compute_dtype, self.timer)
         layer_layouts = [u.layout for u in spec.layer_units]
         self.embed_slot = self.loader.new_slot([layouts[0]])
         self.head_slot = self.loader.new_slot([layouts[-1]])
         n_layer_slots = L if self.cache_weights else min(cfg.engine.slots, L)
         self.layer_slots = [self.loader.new_slot(layer_layouts) for _ in range(n_layer_slots)]
+        self.device_slots = {} if self.cache_weights else {
+            u: self.loader.new_slot([layouts[u]]) for u in sorted(self.device_units) if 0 < u <= L}
         self.slot_version: Dict[int, int] = {}  # id(slot) -> weights version it holds
 
-        self.acc: Dict[int, _Accumulator] = {0: _Accumulator(self.dev, layouts[0]),
-                                             L + 1: _Accumulator(self.dev, layouts[-1])}
+        fused = cfg.engine.fused_kernels
+        self.acc: Dict[int, _Accumulator] = {0: _Accumulator(self.dev, layouts[0], fused),
+                                             L + 1: _Accumulator(self.dev, layouts[-1], fused)}
+        self.device_accs = {u: _Accumulator(self.dev, layouts[u], fused)
+                            for u in sorted(self.device_units) if 0 < u <= L}
         n_layer_accs = L if self.grads_on_gpu else min(2, L)
-        self.layer_accs = [_Accumulator(self.dev, layer_layouts[0]) for _ in range(n_layer_accs)]
+        self.layer_accs = [_Accumulator(self.dev, layer_layouts[0], fused) for _ in range(n_layer_accs)]
 
         self.norm_offsets, n_tensors = [], 0
         for lay in layouts:
@@ -112,8 +136,8 @@ class StreamEngine:
             n_tensors += len(lay.specs)
         self.norms = torch.zeros(n_tensors, dtype=torch.float32, device=device)
 
-        self.ckpts = CheckpointStore(self.dev, self.h2d, self.d2h, self.store.checkpoints, L, M, self.shape_BTD)
-        self.timer = StallTimer(self.dev)
+        self.ckpts = CheckpointStore(self.dev, self.h2d, self.d2h, self.store.checkpoints, L, M, self.shape_BTD,
+                                     self.timer)
         self.rope = spec.rope(t.seq_len, device)
         self.version = 0  # number of optimizer passes submitted: the weights' generation
         self.updated = [threading.Event() for _ in spec.units]
@@ -128,11 +152,14 @@ class StreamEngine:
     # ---- weights --------------------------------------------------------------------------------------------
     def _wait_updated(self, unit: int) -> None:
         ev = self.updated[unit]
-        start = time.perf_counter()
+        if ev.is_set():
+            return
+        start, stall = time.perf_counter(), self.timer.stall_begin()
         while not ev.wait(0.5):
             if self.pending is not None and self.pending.done():
                 self.pending.result()  # re-raises the optimizer thread's exception
                 raise RuntimeError(f"host optimizer finished without updating unit {unit}")
+        self.timer.stall_end(stall, "optimizer")
         self.optimizer_wait_s += time.perf_counter() - start
 
     def _slot_for(self, unit: int, pinned_units: Sequence[int]) -> Slot:
@@ -142,6 +169,8 @@ class StreamEngine:
             return self.head_slot
         if self.cache_weights:
             return self.layer_slots[unit - 1]
+        if unit in self.device_slots:
+            return self.device_slots[unit]
         for slot in self.layer_slots:
             if slot.unit == unit:
                 return slot
@@ -179,7 +208,7 @@ class StreamEngine:
     def _acc_for(self, unit: int) -> _Accumulator:
         if unit in self.acc:
             return self.acc[unit]
-        acc = self.layer_accs[(unit - 1) % len(self.layer_accs)]
+        acc = self.device_accs.get(unit) or self.layer_accs[(unit - 1) % len(self.layer_accs)]
         if not self.grads_on_gpu:
             self.timer.wait(acc.d2h_done, "grad_d2h")  # its previous gradient must have left for the host
         acc.fresh = True
@@ -192,12 +221,12 @@ class StreamEngine:
             grad_hook(unit, acc.views)
         off = self.norm_offsets[unit]
         self.norms[off:off + len(acc.views)] = optim.tensor_norms(list(acc.views.values()))
-        if self.grads_on_gpu:
+        if self.grads_on_gpu or unit in self.device_units:
             self.gpu_grads[unit] = acc
             return
         done = self.dev.event()
         done.record()
-        with self.dev.on(self.d2h):
+        with self.dev.on(self.d2h), self.timer.busy(self.d2h, "d2h"):
             self.dev.wait_event(self.d2h, done)
             self.store.grads[unit].copy_(acc.flat, non_blocking=True)
             acc.d2h_done.record(self.d2h)
@@ -304,13 +333,22 @@ class StreamEngine:
         total_norm = optim.global_norm(self.norms)
         norm_value = float(total_norm)  # the step's one synchronisation
         skipped = not torch.isfinite(total_norm).item()
-        coef = optim.clip_coefficient(total_norm, self.t.max_grad_norm).cpu()
+        coef_dev = optim.clip_coefficient(total_norm, self.t.max_grad_norm)
+        coef = coef_dev.cpu()
         phases = self.timer.read()
         previous_optimizer_s = self.last_optimizer_s
         self.skipped_steps += int(skipped)
         self.version += 1
         for ev in self.updated:
             ev.clear()
+        if not skipped:  # units with their state in GPU memory: updated right here, in compute-stream order
+            for unit in sorted(self.device_units):
+                grad = self.gpu_grads[unit].flat
+                if float(coef) < 1.0:
+                    grad.mul_(coef_dev)
+                self.opt.step_unit(unit, grad, lr)
+        for unit in self.device_units:
+            self.updated[unit].set()
         self.pending = self.pool.submit(self._optimizer_pass, coef, lr, skipped,
                                         dict(self.gpu_grads), dict(self.grad_landed))
         record = {"loss": float(loss_total), "grad_norm": norm_value, "skipped": skipped,
@@ -318,12 +356,15 @@ class StreamEngine:
                   "step_s": time.perf_counter() - t0, "optimizer_s": previous_optimizer_s,
                   "optimizer_wait_s": self.optimizer_wait_s}
         record.update(phases)
+        if "exposed_s" in phases:
+            copy_and_update_s = phases.get("h2d_busy_s", 0.0) + phases.get("d2h_busy_s", 0.0) + previous_optimizer_s
+            record["overlap"] = 1.0 - min(1.0, phases["exposed_s"] / copy_and_update_s) if copy_and_update_s else 1.0
         return record
 
     def _optimizer_pass(self, coef: torch.Tensor, lr: float, skipped: bool, gpu_grads, grad_landed) -> None:
         start = time.perf_counter()
-        units = list(range(len(self.spec.units)))
-        if skipped:
+        units = self.host_units
+        if skipped or not units:
             for ev in self.updated:
                 ev.set()
             return
@@ -338,7 +379,7 @@ class StreamEngine:
                 ev.record(self.opt_d2h)
             return buf, ev
 
-        nxt = fetch(0) if self.grads_on_gpu else None
+        nxt = fetch(0) if self.grads_on_gpu else None  # the staging pair: fetch unit k+1 while k updates
         for k, unit in enumerate(units):
             if self.grads_on_gpu:
                 grad, ev = nxt
@@ -360,6 +401,8 @@ class StreamEngine:
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[Batch]) -> float:
+        self.timer.reset()
+        self.timer.previous_end = None  # the next step's gap would otherwise count this evaluation
         ids = [i.to(self.dev.device) for i, _ in batches]
         labels = [lab.to(self.dev.device) for _, lab in batches]
         x = self._forward(ids, keep=False)
@@ -374,25 +417,28 @@ class StreamEngine:
         self._release(0)
         return float(total) / sum(lab.numel() for lab in labels)
 
+    def _views(self, which: str, index: int) -> Dict[str, torch.Tensor]:
+        return self.store.layouts[index].views(getattr(self, which)[index])
+
     def master_weights(self) -> Dict[str, torch.Tensor]:
         self.wait_for_optimizer()
-        return {u.layout.prefix + name: t.clone() for u in self.spec.units
-                for name, t in self.store.unit_views("master", u.index).items()}
+        return {u.layout.prefix + name: t.to("cpu", copy=True) for u in self.spec.units
+                for name, t in self._views("master", u.index).items()}
 
     def adam_moments(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         self.wait_for_optimizer()
         out = {}
         for u in self.spec.units:
-            m, v = self.store.unit_views("m", u.index), self.store.unit_views("v", u.index)
+            m, v = self._views("m", u.index), self._views("v", u.index)
             for name in m:
-                out[u.layout.prefix + name] = (m[name].clone(), v[name].clone())
+                out[u.layout.prefix + name] = (m[name].to("cpu", copy=True), v[name].to("cpu", copy=True))
         return out
 
     def unit_state(self, index: int) -> dict:
         """One unit's training state by name: views into the host store (not copies), after the pending update."""
         self.wait_for_optimizer()
-        return {"master": self.store.unit_views("master", index), "exp_avg": self.store.unit_views("m", index),
-                "exp_avg_sq": self.store.unit_views("v", index), "step": self.opt.step_count(index)}
+        return {"master": self._views("master", index), "exp_avg": self._views("m", index),
+                "exp_avg_sq": self._views("v", index), "step": self.opt.step_count(index)}
 
     @torch.no_grad()
     def load_unit_state(self, index: int, master: Dict[str, torch.Tensor], exp_avg=None, exp_avg_sq=None,
@@ -401,7 +447,7 @@ class StreamEngine:
         self.wait_for_optimizer()
         for which, values in (("master", master), ("m", exp_avg), ("v", exp_avg_sq)):
             if values is not None:
-                for name, view in self.store.unit_views(which, index).items():
+                for name, view in self._views(which, index).items():
                     view.copy_(values[name])
         if exp_avg is not None:
             self.opt.set_step_count(index, step)
@@ -410,10 +456,11 @@ class StreamEngine:
     def memory_bytes(self) -> Dict[str, int]:
         out = {f"host_{k}": b for k, b in self.store.bytes_by_kind.items()}
         gpu = sum(s.cast.numel() * s.cast.element_size() + 4 * s.tail.numel()
-                  for s in [self.embed_slot, self.head_slot] + self.layer_slots)
+                  for s in [self.embed_slot, self.head_slot, *self.layer_slots, *self.device_slots.values()])
         out["device_slots"] = gpu
-        accs = list({id(a): a for a in list(self.acc.values()) + self.layer_accs}.values())
+        accs = list({id(a): a for a in [*self.acc.values(), *self.layer_accs, *self.device_accs.values()]}.values())
         out["device_grad_accumulators"] = sum(4 * a.flat.numel() for a in accs)
+        out["device_optimizer_state"] = sum(12 * self.master[u].numel() for u in self.device_units)
         return out
 
     def close(self) -> None:

@@ -7,15 +7,16 @@ reasons not to use `torch.empty(pin_memory=True)`: the caching host allocator ro
 two (a 91 GB request would take 128 GB), and m/v are only touched by the CPU optimizer, so pinning them would cost
 registration time for nothing. On a CPU-only torch nothing is pinned and the layout is the same.
 
-Bytes: 12 per parameter (fp32 master, m, v), plus 4 per parameter for gradients when the plan keeps them on the
-host, plus host-tier checkpoints, plus a small pinned staging ring for gradients kept on the GPU. `bytes_by_kind`
+Bytes: 12 per parameter (fp32 master, m, v) of the units whose optimizer runs on the host, plus 4 per parameter for
+gradients when the plan keeps them on the host, plus host-tier checkpoints, plus a small pinned staging ring for
+gradients kept on the GPU. `bytes_by_kind`
 reports exactly what was allocated; the layout padding (tensors aligned to 64 elements) is included.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -23,10 +24,14 @@ from engine.model import ModelSpec
 
 class HostStore:
     def __init__(self, spec: ModelSpec, pin: bool, grads_on_host: bool, grad_staging: int,
-                 host_checkpoint_numel: int, seed: int, init_threads: int = 8):
+                 host_checkpoint_numel: int, seed: int, host_units: Optional[Sequence[int]] = None,
+                 init_threads: int = 8):
+        """`host_units`: the units whose state lives here (default all); the others get empty placeholders (their
+        state lives in GPU memory, owned by the engine)."""
         self.spec = spec
         self.layouts = [u.layout for u in spec.units]
-        numels = [lay.numel for lay in self.layouts]
+        self.host_units = set(range(len(spec.units)) if host_units is None else host_units)
+        numels = [lay.numel if u.index in self.host_units else 0 for u, lay in zip(spec.units, self.layouts)]
         self.total_numel = sum(numels)
         self.pin = pin
         self.bytes_by_kind: Dict[str, int] = {}
@@ -58,7 +63,7 @@ class HostStore:
             self._pin(t)
 
         with ThreadPoolExecutor(max_workers=init_threads) as pool:
-            list(pool.map(init_unit, spec.units))
+            list(pool.map(init_unit, [u for u in spec.units if u.index in self.host_units]))
             list(pool.map(touch_and_pin, to_pin))
 
     def _alloc(self, kind: str, numel: int, zero: bool = False) -> torch.Tensor:

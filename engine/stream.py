@@ -40,14 +40,20 @@ class Slot:
 
 
 class WeightLoader:
-    """Streams units' fp32 master weights (pinned host) into GPU slots on the H2D stream."""
+    """Brings units' fp32 master weights into GPU slots: from pinned host memory on the H2D stream, or, for units
+    whose master already lives on the GPU (optimizer state in HBM), by a cast on the compute stream, which is where
+    their update ran, so stream order alone makes the cast see the updated weights."""
 
     def __init__(self, dev: Device, h2d_stream, masters: List[torch.Tensor], layouts: List[UnitLayout],
-                 compute_dtype: torch.dtype):
-        self.dev, self.stream, self.masters, self.layouts = dev, h2d_stream, masters, layouts
+                 compute_dtype: torch.dtype, timer: "StallTimer"):
+        self.dev, self.stream, self.masters, self.layouts, self.timer = dev, h2d_stream, masters, layouts, timer
         self.dtype = compute_dtype
-        biggest_cast = max(lay.cast_numel for lay in layouts)
+        streamed_cast = [lay.cast_numel for lay, m in zip(layouts, masters) if not self._on_device(m)]
+        biggest_cast = max(streamed_cast, default=0)
         self.staging = dev.empty((min(biggest_cast, STAGING_ELEMS),), torch.float32) if biggest_cast else None
+
+    def _on_device(self, master: torch.Tensor) -> bool:
+        return self.dev.cuda and master.is_cuda
 
     def new_slot(self, layouts: List[UnitLayout]) -> Slot:
         return Slot(self.dev, max(lay.cast_numel for lay in layouts),
@@ -58,16 +64,21 @@ class WeightLoader:
         layout, master = self.layouts[unit], self.masters[unit]
         if not slot.fits(layout):
             raise ValueError(f"slot too small for unit {unit}")
-        with self.dev.on(self.stream):
-            self.dev.wait_event(self.stream, slot.free)
-            tail_n = layout.numel - layout.cast_numel
+        resident = self._on_device(master)
+        stream = None if resident else self.stream
+        tail_n = layout.numel - layout.cast_numel
+        with self.dev.on(stream), self.timer.busy(stream, "h2d" if stream is not None else "cast"):
+            self.dev.wait_event(stream, slot.free)
             slot.tail[:tail_n].copy_(master[layout.cast_numel:], non_blocking=True)
-            for start in range(0, layout.cast_numel, self.staging.numel() if self.staging is not None else 1):
-                n = min(self.staging.numel(), layout.cast_numel - start)
-                chunk = self.staging[:n]
-                chunk.copy_(master[start:start + n], non_blocking=True)
-                slot.cast[start:start + n].copy_(chunk)
-            slot.ready.record(self.stream)
+            if resident or self.staging is None:
+                slot.cast[:layout.cast_numel].copy_(master[:layout.cast_numel])
+            else:
+                for start in range(0, layout.cast_numel, self.staging.numel()):
+                    n = min(self.staging.numel(), layout.cast_numel - start)
+                    chunk = self.staging[:n]
+                    chunk.copy_(master[start:start + n], non_blocking=True)
+                    slot.cast[start:start + n].copy_(chunk)
+            slot.ready.record(stream)
         slot.unit = unit
 
     def bind(self, unit: int, slot: Slot) -> Dict[str, torch.Tensor]:
@@ -75,21 +86,30 @@ class WeightLoader:
 
 
 class StallTimer:
-    """Phase times and compute-stream stalls of one step.
+    """Phase times, compute-stream stalls and copy-stream busy time of one step.
 
-    On CUDA, events on the compute stream: `mark(name)` records a phase boundary, and a stall is the time between an
-    event recorded just before a `wait_event` and one just after it, i.e. how long compute sat waiting for a copy.
-    Read after the step's synchronisation point. On CPU, copies are synchronous, so stalls are zero and phases are
-    wall-clock.
+    On CUDA everything is measured with events, never by synchronising:
+    - `mark(name)` records a phase boundary on the compute stream;
+    - a *stall* is the gap between an event recorded on the compute stream just before it is made to wait (on a
+      copy's event, or while the host thread blocks on the host optimizer) and one recorded just after: the second
+      completes only when compute may go on, so the difference is how long compute sat idle for that reason;
+    - `busy(stream)` brackets a copy on its stream; the sum is the time that stream spent copying.
+    The gap between the previous step's last mark and this step's first is the `between_steps` stall (the norm
+    synchronisation, the optimizer hand-off, Python). Read after the step's synchronisation point. On CPU, copies
+    are synchronous: stalls and busy times are not measured, phases are wall-clock.
     """
 
     def __init__(self, dev: Device):
         self.dev = dev
         self.marks: List[tuple] = []
         self.stalls: List[tuple] = []
+        self.copies: List[tuple] = []
+        self.previous_end = None
 
     def reset(self) -> None:
-        self.marks, self.stalls = [], []
+        if self.marks and self.dev.cuda:
+            self.previous_end = self.marks[-1][1]
+        self.marks, self.stalls, self.copies = [], [], []
 
     def mark(self, name: str) -> None:
         if self.dev.cuda:
@@ -103,19 +123,57 @@ class StallTimer:
         """Make compute wait for `event`, timing the stall."""
         if not self.dev.cuda:
             return
-        before, after = self.dev.event(timing=True), self.dev.event(timing=True)
-        before.record()
+        before = self.stall_begin()
         self.dev.wait_event(None, event)
+        self.stall_end(before, kind)
+
+    def stall_begin(self):
+        if not self.dev.cuda:
+            return None
+        before = self.dev.event(timing=True)
+        before.record()
+        return before
+
+    def stall_end(self, before, kind: str) -> None:
+        if before is None:
+            return
+        after = self.dev.event(timing=True)
         after.record()
         self.stalls.append((kind, before, after))
+
+    def busy(self, stream, kind: str):
+        """Context manager bracketing work queued on `stream` (a copy stream)."""
+        timer = self
+
+        class _Busy:
+            def __enter__(self):
+                if timer.dev.cuda:
+                    self.start = timer.dev.event(timing=True)
+                    self.start.record(stream)
+
+            def __exit__(self, *exc):
+                if timer.dev.cuda:
+                    end = timer.dev.event(timing=True)
+                    end.record(stream)
+                    timer.copies.append((kind, self.start, end))
+
+        return _Busy()
 
     def read(self) -> Dict[str, float]:
         out: Dict[str, float] = {}
         for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
             seconds = a.elapsed_time(b) / 1e3 if self.dev.cuda else b - a
             out[f"{name}_s"] = out.get(f"{name}_s", 0.0) + seconds
-        for kind, a, b in self.stalls:
+        if not self.dev.cuda:
+            return out
+        stalls = list(self.stalls)
+        if self.previous_end is not None and self.marks:
+            stalls.append(("between_steps", self.previous_end, self.marks[0][1]))
+        for kind, a, b in stalls:
             out[f"{kind}_stall_s"] = out.get(f"{kind}_stall_s", 0.0) + a.elapsed_time(b) / 1e3
+        for kind, a, b in self.copies:
+            out[f"{kind}_busy_s"] = out.get(f"{kind}_busy_s", 0.0) + a.elapsed_time(b) / 1e3
+        out["exposed_s"] = sum(v for k, v in out.items() if k.endswith("_stall_s"))
         return out
 
 
@@ -128,8 +186,8 @@ class CheckpointStore:
     """
 
     def __init__(self, dev: Device, h2d_stream, d2h_stream, host_buffer: Optional[torch.Tensor],
-                 num_layers: int, micro_batches: int, shape_BTD: tuple):
-        self.dev, self.h2d, self.d2h = dev, h2d_stream, d2h_stream
+                 num_layers: int, micro_batches: int, shape_BTD: tuple, timer: StallTimer):
+        self.dev, self.h2d, self.d2h, self.timer = dev, h2d_stream, d2h_stream, timer
         self.shape = shape_BTD
         self.numel = shape_BTD[0] * shape_BTD[1] * shape_BTD[2]
         self.on_gpu = host_buffer is None
@@ -151,7 +209,7 @@ class CheckpointStore:
             return
         done = self.dev.event()
         done.record()
-        with self.dev.on(self.d2h):
+        with self.dev.on(self.d2h), self.timer.busy(self.d2h, "d2h"):
             self.dev.wait_event(self.d2h, done)
             self.host[(i, m)].copy_(x, non_blocking=True)
             self.dev.record_stream(x, self.d2h)
@@ -159,7 +217,7 @@ class CheckpointStore:
     def prefetch(self, i: int, m: int) -> None:
         if self.on_gpu or (i, m) in self.pending:
             return
-        with self.dev.on(self.h2d):
+        with self.dev.on(self.h2d), self.timer.busy(self.h2d, "h2d"):
             x = torch.empty(self.shape, dtype=torch.float32, device=self.dev.device)
             # the D2H that wrote this entry must be complete: order the streams through an event
             written = self.dev.event()

@@ -6,19 +6,41 @@ built (an impossible one raises PlanError with the numbers). `plan=true` stops a
 
 Micro-batch j of step s is batch `s * grad_accum + j` of the training split, so the data position is a pure
 function of the step; validation always reads the first `val_batches` batches of the validation split.
+
+Checkpoints (engine/checkpoint.py has the format). A checkpoint to resume from (`train.resume`) is located and
+verified completely, and an HF checkpoint to start from (`model.init=hf:<dir>`) checked against the model config,
+before the engine allocates; after it is built, the state is copied in (resume wins over init). A resumed run
+continues at the saved step with the saved RNG states and counters; its metrics.jsonl keeps the records up to that
+step (later ones, written by the process that died, are dropped) and it does not repeat the initial validation, so
+the run dir reads as one uninterrupted run. The training state is saved every `train.checkpoint_every` steps and at
+the end (when checkpoint_every > 0), at `train.stop_at`, on SIGINT/SIGTERM and after `train.max_consecutive_skips`
+non-finite steps in a row.
+
+Exit status (`main`): 0 done (also after stop_at); 2 refused (config, data, plan, checkpoint); 3 stopped after
+max_consecutive_skips skipped steps, with a checkpoint of the last good state; 128+signal (130 SIGINT, 143
+SIGTERM) when a signal stopped the run after the current step and a checkpoint of it. A second signal aborts at
+once (KeyboardInterrupt / exit 128+signal); the previous complete checkpoint stays loadable, as after SIGKILL.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import math
 import os
+import random
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from engine import hardware, optim
+from engine import checkpoint, hardware, optim
+from engine.checkpoint import CheckpointError
 from engine.config import ConfigError, to_plain, validate
 from engine.data import DataError, build_data
 from engine.device import resolve_compute_dtype, resolve_device
@@ -36,6 +58,8 @@ def host_mem_total_gib() -> float:
 
 
 def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype, plan):
+    if cfg.train.compile == "on" or (cfg.train.compile == "auto" and device.type == "cuda"):
+        spec.compile_templates()
     if cfg.engine.name == "reference":
         from engine.reference import ReferenceEngine
 
@@ -64,15 +88,50 @@ class Trainer:
         host_gib = cfg.hardware.host_mem_gib or host_mem_total_gib()
         self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, self.device.type == "cuda")
         self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size)
-        torch.manual_seed(cfg.seed)
+        self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else self.run_dir / "checkpoints"
+        self.fingerprint = checkpoint.run_fingerprint(cfg, self.data.fingerprint)
+        # everything a checkpoint can be refused for is checked before the engine allocates
+        resume_from = checkpoint.find_resume(t.resume, self.ckpt_root)
+        restore = checkpoint.open_training_state(resume_from, self.spec, self.fingerprint) if resume_from else None
+        hf = None
+        hf_dir = checkpoint.hf_dir_of(cfg.model.init)
+        if restore is None and hf_dir is not None:
+            hf = checkpoint.open_hf(self.spec, hf_dir)
+        torch.manual_seed(cfg.seed)  # and the host RNGs, so that their checkpointed states are reproducible too
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed % 2**32)
         self.engine = build_engine(self.spec, cfg, self.device, self.compute_dtype, self.plan)
+        self.start_step, self.consecutive_skips, self.resumed = 0, 0, None
+        try:
+            if restore is not None:
+                state = checkpoint.load_training_state(self.engine, restore)
+                self.start_step = state["step"]
+                self.consecutive_skips = state.get("consecutive_skips", 0)
+                self.engine.skipped_steps = state.get("skipped_steps", 0)
+                checkpoint.set_rng_state(state["rng"])
+                self.resumed = state
+                print(f"resumed from {restore.path} at step {self.start_step}")
+            elif hf is not None:
+                checkpoint.import_hf(self.engine, hf)
+        except BaseException:
+            self.engine.close()
+            raise
         plain = to_plain(cfg)
         plain["data_description"] = self.data.description
         plain["num_params"] = self.spec.num_params()
         plain["plan_placement"] = self.plan.placement
         peak, peak_profile = hardware.peak_tflops(cfg.hardware, self.device, self.compute_dtype)
         plain["mfu_peak"] = {"tflops": peak, "profile": peak_profile}
-        self.metrics = MetricsLogger(self.run_dir, plain, cfg.model, t.seq_len, peak, cfg.logger, t.steps)
+        if self.resumed is not None:
+            _trim_metrics(self.run_dir / "metrics.jsonl", self.start_step)
+        try:
+            self.metrics = MetricsLogger(self.run_dir, plain, cfg.model, t.seq_len, peak, cfg.logger, t.steps)
+        except BaseException:
+            self.engine.close()
+            raise
+        if self.resumed is not None:
+            self.metrics.tokens_total = self.resumed.get("tokens_total", 0)
+            self.metrics.val_losses = list(self.resumed.get("val_losses", []))
 
     def _train_batches(self, step: int):
         t = self.cfg.train
@@ -82,6 +141,30 @@ class Trainer:
         t = self.cfg.train
         n = min(t.val_batches, max(1, self.data.num_sequences("val") // t.micro_batch_size))
         return self.engine.eval_loss([self.data.batch("val", i, t.micro_batch_size) for i in range(n)])
+
+    def _save(self, step: int, pending_tokens: int = 0) -> Path:
+        """Save the full training state after `step` optimizer steps (a no-op if that checkpoint exists)."""
+        t = self.cfg.train
+        state = {
+            "data_position": {"next_step": step, "train_batches_consumed": step * t.grad_accum,
+                              "micro_batch_size": t.micro_batch_size, "data_fingerprint": self.data.fingerprint},
+            "lr_schedule": {"next_lr": optim.lr_at(step, t) if step < t.steps else None, "lr": t.lr,
+                            "warmup_steps": t.warmup_steps, "min_lr_ratio": t.min_lr_ratio, "steps": t.steps},
+            "rng": checkpoint.rng_state(),
+            "skipped_steps": self.engine.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+            "tokens_total": self.metrics.tokens_total + pending_tokens,
+            "val_losses": [float(v) if math.isfinite(float(v)) else None for v in self.metrics.val_losses],
+            "fingerprint": self.fingerprint,
+            "engine": self.cfg.engine.name,
+            "git_sha": self.metrics.git_sha,
+            "saved_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "config": to_plain(self.cfg),
+        }
+        t0 = time.perf_counter()
+        path = checkpoint.save_training_state(self.engine, self.ckpt_root, step, state, t.keep_checkpoints)
+        print(f"checkpoint of step {step}: {path} ({time.perf_counter() - t0:.1f}s)", flush=True)
+        return path
 
     def run(self) -> dict:
         if self.cfg.plan:
@@ -94,29 +177,115 @@ class Trainer:
         t = self.cfg.train
         summary_extra = {"num_params": self.spec.num_params(), "engine": self.cfg.engine.name,
                          "memory_plan_gib": {tier: self.plan.total(tier) / 2**30 for tier in ("gpu", "host")},
-                         "memory_bytes": self.engine.memory_bytes()}
+                         "memory_bytes": self.engine.memory_bytes(), "start_step": self.start_step}
+        stopped = None
         try:
-            self.metrics.log_val(0, self._validate())
-            span_tokens, span_s, span_steps = 0, 0.0, 0  # steps since the last logged one
-            for step in range(t.steps):
-                lr = optim.lr_at(step, t)
-                record = self.engine.train_step(self._train_batches(step), lr)
-                span_tokens += record["tokens"]
-                span_s += record["step_s"]
-                span_steps += 1
-                if (step + 1) % t.log_every == 0 or step == t.steps - 1:
-                    # with log_every > 1, tokens and step_s cover every step since the previous line
-                    record.update(lr=lr, tokens=span_tokens, step_s=span_s, steps_in_record=span_steps)
-                    self.metrics.log_step(step + 1, record)
-                    span_tokens, span_s, span_steps = 0, 0.0, 0
-                last = step == t.steps - 1
-                if last or (t.val_every and (step + 1) % t.val_every == 0):
-                    self.metrics.log_val(step + 1, self._validate())
+            with _StopSignals() as signals:
+                if self.start_step == 0:
+                    self.metrics.log_val(0, self._validate())
+                span_tokens, span_s, span_steps = 0, 0.0, 0  # steps since the last logged one
+                step = self.start_step  # optimizer steps done
+                while step < t.steps and not signals.received:
+                    lr = optim.lr_at(step, t)
+                    record = self.engine.train_step(self._train_batches(step), lr)
+                    step += 1
+                    span_tokens += record["tokens"]
+                    span_s += record["step_s"]
+                    span_steps += 1
+                    if step % t.log_every == 0 or step == t.steps:
+                        # with log_every > 1, tokens and step_s cover every step since the previous line
+                        record.update(lr=lr, tokens=span_tokens, step_s=span_s, steps_in_record=span_steps)
+                        self.metrics.log_step(step, record)
+                        span_tokens, span_s, span_steps = 0, 0.0, 0
+                    self.consecutive_skips = self.consecutive_skips + 1 if record["skipped"] else 0
+                    if t.max_consecutive_skips and self.consecutive_skips >= t.max_consecutive_skips:
+                        n = self.consecutive_skips
+                        path = self._save(step, span_tokens)
+                        raise TrainingDiverged(
+                            f"steps {step - n + 1}..{step}: {n} consecutive steps had a non-finite loss or gradient "
+                            f"and were skipped (train.max_consecutive_skips={t.max_consecutive_skips}); stopped. "
+                            f"The weights are still those after step {step - n}; they are saved in {path}. Lower "
+                            "train.lr or check the data before going on")
+                    if step == t.steps or (t.val_every and step % t.val_every == 0):
+                        self.metrics.log_val(step, self._validate())
+                    if step == t.stop_at and step < t.steps:
+                        stopped = {"reason": f"train.stop_at={t.stop_at}"}
+                        break
+                    if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
+                        self._save(step, span_tokens)
+                if signals.received:
+                    stopped = {"reason": signal.Signals(signals.received).name, "signal": int(signals.received)}
+                if stopped is not None or t.checkpoint_every:
+                    path = self._save(step, span_tokens)
+                    if stopped is not None:
+                        stopped.update(step=step, checkpoint=str(path))
+                        print(f"stopped at step {step} ({stopped['reason']}); resume with train.resume=auto "
+                              f"hydra.run.dir={self.run_dir}", flush=True)
+                if stopped is None and t.export_hf:
+                    dtype = torch.bfloat16 if t.export_dtype == "bf16" else torch.float32
+                    summary_extra["export_hf"] = checkpoint.export_hf(
+                        checkpoint.EngineSource(self.engine, self.cfg.model.init), self.run_dir / "hf", dtype)
             summary_extra["skipped_steps"] = self.engine.skipped_steps
+            if stopped is not None:
+                summary_extra["stopped"] = stopped
         finally:
             summary = self.metrics.close(summary_extra)
             self.engine.close()
         return summary
+
+
+class TrainingDiverged(RuntimeError):
+    """train.max_consecutive_skips steps in a row were skipped; a checkpoint of the last good state was saved."""
+
+
+class _StopSignals:
+    """SIGINT/SIGTERM: the first asks the loop to stop after the current step and save; a second aborts at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old = {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.received = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after the current step with a checkpoint "
+              "(send it again to abort now)", file=sys.stderr, flush=True)
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    """Drop records after `step` (written by a process that died after its last checkpoint)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) > step:
+                continue
+        except ValueError:  # a line cut short by the crash
+            continue
+        kept.append(line)
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+        print(f"{path}: dropped {len(lines) - len(kept)} records after step {step}")
 
 
 def main(cfg: DictConfig) -> dict:
@@ -128,11 +297,18 @@ def main(cfg: DictConfig) -> dict:
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     run_dir = Path(hydra_cfg.runtime.output_dir) if hydra_cfg else Path(os.getcwd())
     try:
-        return Trainer(cfg, run_dir).run()
-    except (ConfigError, DataError, PlanError) as err:
+        summary = Trainer(cfg, run_dir).run()
+    except TrainingDiverged as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
+    except (ConfigError, DataError, PlanError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "refused.json").write_text(json.dumps({"error": str(err), "kind": type(err).__name__}))
             return {"refused": str(err)}
         raise SystemExit(2) from None
+    stopped = summary.get("stopped") or {}
+    if stopped.get("signal"):
+        raise SystemExit(128 + stopped["signal"])
+    return summary

@@ -109,5 +109,5 @@ def test_cli_missing_data_file():
 def test_cli_plan_prints_bytes_per_tier_without_training():
     out = _cli("model=qwen7b", "engine=stream", "plan=true", "hardware=h200")
     assert out.returncode == 0, out.stderr
-    assert "fp32 Adam m + v" in out.stdout and "host" in out.stdout
+    assert "fp32 master, Adam m + v" in out.stdout and "host" in out.stdout and "predicted step" in out.stdout
     assert "step 1/" not in out.stdout

@@ -63,7 +63,7 @@ def test_host_memory_reported_equals_resident_growth():
     _one_step(["engine=stream", *SMALL, "train.seq_len=32", "train.micro_batch_size=2", "train.grad_accum=2"])
     gc.collect()
     before = host_rss_gib()
-    cfg = make_cfg(["engine=stream", *BIG])
+    cfg = make_cfg(["engine=stream", *BIG, "engine.fused_kernels=false"])
     spec = ModelSpec(cfg.model)
     plan = build_plan(spec, cfg, 0.0, 64.0, on_gpu=False)
     eng = build_engine(spec, cfg, torch.device("cpu"), torch.float32, plan)

@@ -51,6 +51,8 @@ def reference(request):
     ["engine.grads_tier=host", "engine.checkpoint_tier=host", "engine.cache_weights=off"],
     ["engine.grads_tier=gpu", "engine.checkpoint_tier=gpu", "engine.cache_weights=on"],
     ["engine.grads_tier=host", "engine.checkpoint_tier=gpu", "engine.cache_weights=off", "engine.slots=3"],
+    ["engine.device_optimizer_units=3", "engine.grads_tier=host", "engine.cache_weights=off"],
+    ["engine.device_optimizer_units=2", "engine.grads_tier=gpu", "engine.cache_weights=on"],
 ])
 def test_stream_matches_reference_on_gpu(reference, placement):
     compute, (ref_losses, ref_w) = reference
@@ -59,5 +61,7 @@ def test_stream_matches_reference_on_gpu(reference, placement):
     worst = max((w[n] - ref_w[n]).abs().max().item() for n in ref_w if not n.endswith("k_proj.bias"))
     print(f"{compute} {placement}: loss diffs {[a - b for a, b in zip(losses, ref_losses)]}, max |dw| {worst:.2e}")
     # k_proj.bias is excluded: its exact gradient is zero (softmax ignores it), so Adam amplifies rounding noise.
-    # 1e-3 is one lr step: rounding-level divergence stays well below that over 6 steps.
-    assert worst < 1e-3
+    # The bound is a fraction of the 6 lr steps (6e-3) a weight can move: fp32 runs agree to ~1e-7; in bf16 the
+    # GPU (reference) and CPU (stream) AdamW kernels round differently, bf16 weight copies then round to different
+    # values and the runs drift apart at bf16 resolution (seen: 9e-4 after 6 steps).
+    assert worst < (2e-3 if compute == "bf16" else 1e-6)

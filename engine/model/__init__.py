@@ -93,15 +93,26 @@ class ModelSpec:
             else:
                 t.copy_(torch.empty(t.shape).normal_(0.0, self.cfg.init_std, generator=gen))
 
+    def compile_templates(self) -> None:
+        """torch.compile the decoder layer and the loss chunk: fuses the elementwise work around the matmuls
+        (RMSNorm, RoPE, SwiGLU, residual adds, the fp32 cross-entropy), about a fifth of an eager layer's time.
+        One compiled graph serves every layer (parameters are inputs, not module state); compiling costs about
+        a minute on the first step."""
+        self._layer_fn = torch.compile(dense.decoder_layer, dynamic=False)
+        self._loss_chunk_fn = torch.compile(dense.chunk_loss_sum, dynamic=False)
+
+    _layer_fn = staticmethod(dense.decoder_layer)
+    _loss_chunk_fn = staticmethod(dense.chunk_loss_sum)
+
     # Templates, bound to this architecture.
     def embed(self, p, ids_BT):
         return dense.embed(p, ids_BT)
 
     def layer(self, p, x_BTD, rope: Rope):
-        return dense.decoder_layer(p, x_BTD, rope, self.arch)
+        return self._layer_fn(p, x_BTD, rope, self.arch)
 
     def loss_sum(self, p, x_BTD, labels_BT, tied_weight=None):
-        return dense.loss_sum(p, x_BTD, labels_BT, self.arch, tied_weight)
+        return dense.loss_sum(p, x_BTD, labels_BT, self.arch, tied_weight, chunk_fn=self._loss_chunk_fn)
 
     def logits(self, p, x_BTD, tied_weight=None):
         return dense.logits(p, x_BTD, self.arch, tied_weight)

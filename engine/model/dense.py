@@ -126,14 +126,14 @@ def logits(p: Params, x_BTD: torch.Tensor, a: DenseArch, tied_weight: Optional[t
     return F.linear(rms_norm(x_BTD, p[FINAL_NORM], a.eps), _lm_weight(p, tied_weight))
 
 
-def _chunk_loss_sum(norm_w: torch.Tensor, lm_w: torch.Tensor, x_ND: torch.Tensor, labels_N: torch.Tensor,
+def chunk_loss_sum(norm_w: torch.Tensor, lm_w: torch.Tensor, x_ND: torch.Tensor, labels_N: torch.Tensor,
                     eps: float) -> torch.Tensor:
     z = F.linear(rms_norm(x_ND, norm_w, eps), lm_w)
     return F.cross_entropy(z.float(), labels_N, reduction="sum")
 
 
 def loss_sum(p: Params, x_BTD: torch.Tensor, labels_BT: torch.Tensor, a: DenseArch,
-             tied_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+             tied_weight: Optional[torch.Tensor] = None, chunk_fn=chunk_loss_sum) -> torch.Tensor:
     """Summed next-token cross-entropy (fp32) over the tokens of x, computed in token chunks so that at most
     LOSS_CHUNK_ELEMS logits exist at a time; each chunk's logits are recomputed in backward, not stored."""
     x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
@@ -144,9 +144,9 @@ def loss_sum(p: Params, x_BTD: torch.Tensor, labels_BT: torch.Tensor, a: DenseAr
     for start in range(0, x_ND.shape[0], chunk):
         xs, ls = x_ND[start:start + chunk], labels_N[start:start + chunk]
         if torch.is_grad_enabled():
-            part = checkpoint(_chunk_loss_sum, norm_w, lm_w, xs, ls, a.eps, use_reentrant=False,
+            part = checkpoint(chunk_fn, norm_w, lm_w, xs, ls, a.eps, use_reentrant=False,
                               preserve_rng_state=False)
         else:
-            part = _chunk_loss_sum(norm_w, lm_w, xs, ls, a.eps)
+            part = chunk_fn(norm_w, lm_w, xs, ls, a.eps)
         total = total + part
     return total

@@ -1,0 +1,210 @@
+"""Attention kernel benchmark: kernels/attention.py against torch SDPA's flash backend, fwd+bwd, one GPU.
+
+    python bench/bench_attention.py --out bench/results/attention.jsonl
+    python bench/bench_attention.py --seq-lens 8192 32768 --cases qwen7b      # a subset
+
+Cases (B = 1, bf16, causal):
+  qwen7b   Hq=28, Hkv=4, D=128 (Qwen2.5-7B)                       kernel and SDPA (flash backend, enable_gqa)
+  gptoss   Hq=64, Hkv=8, D=64, window=128, sinks (gpt-oss sliding)  kernel only: SDPA's flash backend has neither
+at T = 8K, 32K, 128K, 512K.
+
+Timing: one fwd+bwd step = out = attn(q, k, v); torch.autograd.grad(out, (q, k, v), dO) (no grad accumulation).
+Median of triton.testing.do_bench (25 ms warmup, 200 ms of reps, L2 flushed) up to 32K; above that one step takes
+0.1-20 s, so a plain CUDA-event loop: 1 warmup + 3 timed steps at 128K, 1 timed step (no warmup) at 512K, median.
+The first call of each kernel key autotunes (and compiles, ~1-2 min in all on a fresh machine) before timing.
+
+FLOPs (the flash-attn convention): forward = 2 matmuls (QK^T and PV) of 2*D flops per attended (query, key) pair
+per head: 4 * B * Hq * D * pairs, pairs = T*T/2 causal (T*T full, T*W - W*(W-1)/2 for a causal window W);
+backward = 2.5 x forward (5 matmuls); fwd+bwd = 3.5 x forward. The kernel's deterministic backward actually runs
+7 matmuls (dQ recomputes QK^T and dO V^T), which the convention does not credit.
+
+Peak memory: torch.cuda.max_memory_allocated over one step, inputs and dO included (what a training step holds
+for this op), in GiB; measured on an extra untimed step up to 32K (do_bench's flush buffer stays out of it) and
+over the timed steps above. SDPA rows that run out of memory keep sdpa_* null and say so in `sdpa_note`.
+
+Rows (JSONL): bench case seq_len heads head_dim kernel_ms sdpa_ms kernel_tflops sdpa_tflops ratio
+kernel_peak_gib sdpa_peak_gib gpu torch triton git_sha date (+ batch kv_heads window sinks sdpa_note flops).
+ratio = sdpa_ms / kernel_ms (> 1: the kernel is faster). Total runtime on an H200: about 3-4 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CASES = {
+    "qwen7b": dict(heads=28, kv_heads=4, head_dim=128, window=None, sinks=False, sdpa=True),
+    "gptoss": dict(heads=64, kv_heads=8, head_dim=64, window=128, sinks=True, sdpa=False),
+}
+SEQ_LENS = [8192, 32768, 131072, 524288]
+
+
+def fwd_flops(B, H, T, D, window=None, causal=True):
+    if window is not None:
+        W = min(window, T)
+        pairs = T * W - W * (W - 1) / 2
+    else:
+        pairs = T * T / 2 if causal else T * T
+    return 4.0 * B * H * D * pairs
+
+
+def _step_fn(attn, q, k, v, do):
+    import torch
+
+    def step():
+        out = attn(q, k, v)
+        torch.autograd.grad(out, (q, k, v), do)
+    return step
+
+
+def _time_ms(step, T):
+    import torch
+    import triton
+
+    if T <= 32768:
+        return triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median")
+    warmup, reps = (1, 3) if T <= 131072 else (0, 1)
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _measure(step, T):
+    """(ms, peak GiB) of one fwd+bwd step."""
+    import torch
+
+    torch.cuda.synchronize()
+    if T <= 32768:
+        step()  # first call: autotune / compile, and the peak of a plain step
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        ms = _time_ms(step, T)
+    else:
+        torch.cuda.reset_peak_memory_stats()
+        ms = _time_ms(step, T)
+        peak = torch.cuda.max_memory_allocated()
+    return ms, peak / 2**30
+
+
+def _sdpa_attn(gqa_native: bool, G: int):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attn(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            if gqa_native:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
+                                                  is_causal=True)
+    return attn
+
+
+def run_case(name, T, meta):
+    import torch
+
+    from kernels.attention import flash_attention
+
+    c = CASES[name]
+    B, H, Hkv, D = 1, c["heads"], c["kv_heads"], c["head_dim"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    def mk(h):
+        return torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (mk(h).requires_grad_() for h in (H, Hkv, Hkv))
+    do = mk(H)
+    sinks = torch.randn(H, device="cuda", generator=g).requires_grad_() if c["sinks"] else None
+    flops = 3.5 * fwd_flops(B, H, T, D, c["window"])
+    row = dict(bench="attention", case=name, seq_len=T, batch=B, heads=H, kv_heads=Hkv, head_dim=D,
+               window=c["window"], sinks=c["sinks"], causal=True, dtype="bf16", flops=flops)
+
+    def kernel_attn(q, k, v):
+        return flash_attention(q, k, v, causal=True, window=c["window"], sinks=sinks)
+
+    ms, peak = _measure(_step_fn(kernel_attn, q, k, v, do), T)
+    row.update(kernel_ms=ms, kernel_tflops=flops / ms / 1e9, kernel_peak_gib=peak)
+    row.update(sdpa_ms=None, sdpa_tflops=None, ratio=None, sdpa_peak_gib=None)
+    if not c["sdpa"]:
+        row["sdpa_note"] = "not run: SDPA's flash backend has no sliding window / sinks"
+    else:
+        try:
+            native = True
+            try:
+                with torch.no_grad():
+                    _sdpa_attn(True, H // Hkv)(q[:, :, :128], k[:, :, :128], v[:, :, :128])
+            except RuntimeError:
+                native = False
+            torch.cuda.empty_cache()
+            ms_s, peak_s = _measure(_step_fn(_sdpa_attn(native, H // Hkv), q, k, v, do), T)
+            row.update(sdpa_ms=ms_s, sdpa_tflops=flops / ms_s / 1e9, ratio=ms_s / ms, sdpa_peak_gib=peak_s)
+            row["sdpa_note"] = "flash backend, enable_gqa" if native else "flash backend, kv repeated (no native GQA)"
+        except torch.cuda.OutOfMemoryError as e:
+            row["sdpa_note"] = f"skipped: out of memory ({str(e).splitlines()[0][:120]})"
+        except RuntimeError as e:
+            row["sdpa_note"] = f"skipped: {str(e).splitlines()[0][:160]}"
+    row.update(meta, date=dt.datetime.now().isoformat(timespec="seconds"))
+    q = k = v = do = None
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "attention.jsonl"))
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=SEQ_LENS)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    args = ap.parse_args(argv)
+
+    import torch
+    if not torch.cuda.is_available():
+        print("bench_attention: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured",
+              file=sys.stderr)
+        return 2
+    import triton
+
+    from engine.metrics import git_sha
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                git_sha=git_sha())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    rows = []
+    hdr = f"{'case':8s} {'T':>7s} {'kernel ms':>10s} {'TFLOP/s':>8s} {'GiB':>6s} {'sdpa ms':>10s} {'TFLOP/s':>8s} " \
+          f"{'GiB':>6s} {'ratio':>6s}"
+    print(hdr, flush=True)
+    for name in args.cases:
+        for T in sorted(args.seq_lens):
+            row = run_case(name, T, meta)
+            rows.append(row)
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            def f_(x, p=".2f"):
+                return "-" if x is None else format(x, p)
+            print(f"{name:8s} {T:7d} {f_(row['kernel_ms'], '.3f'):>10s} {f_(row['kernel_tflops'], '.0f'):>8s} "
+                  f"{f_(row['kernel_peak_gib']):>6s} {f_(row['sdpa_ms'], '.3f'):>10s} "
+                  f"{f_(row['sdpa_tflops'], '.0f'):>8s} {f_(row['sdpa_peak_gib']):>6s} {f_(row['ratio']):>6s}"
+                  + ("" if row["sdpa_ms"] is not None else f"   ({row.get('sdpa_note', '')})"), flush=True)
+    print(f"{len(rows)} rows -> {out}  ({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,528 @@
+"""Shared pieces of the peer baselines: model config, random batches, the timed loop, memory probes, JSONL rows.
+
+Every peer script (`all_on_gpu.py`, `fsdp2_offload.py`, `deepspeed_zero3.py`) trains the same thing as our engine's
+benchmark: a transformers `*ForCausalLM` built from a `conf/model/*.yaml` (random init, SDPA attention, activation
+checkpointing), seq 4096, random tokens uniform over the vocabulary, fp32 master weights, bf16 compute, AdamW
+(lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on tensors of two or more dimensions, none on biases and norms:
+the engine's split), global grad-norm clipping at 1.0, `micro_batch_size * grad_accum * seq_len` tokens per step.
+Each run is `--steps` optimizer steps (default 4); the first `--warmup` (default 1) are not timed, and `step_s` is
+the median of the rest, each timed between two `torch.cuda.synchronize()` calls (nothing else synchronises).
+
+Rows and failures
+-----------------
+A run appends one JSON row to `--out`. A CUDA out-of-memory error (or a pinned/host allocation that raises) is caught
+and still gives a row, with `error`. A process killed by the kernel's OOM killer cannot write anything itself, so by
+default each script re-runs itself as a child process and supervises it (`--no-supervise` to run in-process): when
+the child dies without having written its row, the parent writes one with `error` ("killed: SIGKILL ... (host out of
+memory?)"), the phase the child last announced, the largest resident set size it saw the child reach
+(`host_mem_gib_observed`, a lower bound of the true peak) and the log tail. Without the supervisor a missing row
+means the process was killed; the `[peer ...]` progress lines printed before every phase (build, each step) show
+where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from engine.metrics import count_params, git_sha, model_flops_per_token  # noqa: E402
+
+GIB = 2**30
+CHILD_ENV = "STREAMTRAIN_PEER_CHILD"
+ROW_WRITTEN = "[peer] row written"
+PEAK_TFLOPS_H200 = 989.0
+
+LR, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", default="qwen7b", help="a conf/model/<name>.yaml (default qwen7b)")
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=None, help="default 4096 (128 with --dry-run)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps in all, warm-up included (default 4; "
+                                                            "1 with --dry-run)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps at the start (default 1)")
+    ap.add_argument("--layers", type=int, default=None, help="truncate the model to this many decoder layers")
+    ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size (tests / dry runs only)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS_H200, help="MFU denominator (H200 dense bf16)")
+    ap.add_argument("--out", default="bench/results/peers.jsonl", help="JSONL file the row is appended to")
+    ap.add_argument("--tag", default=None, help="free text stored in the row")
+    ap.add_argument("--expandable-segments", action="store_true",
+                    help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as train.py sets (default: torch's "
+                         "allocator settings, or whatever the environment says)")
+    ap.add_argument("--no-supervise", action="store_true",
+                    help="run in this process; a host-OOM kill then leaves no row")
+    ap.add_argument("--debug-kill-phase", default=None, help=argparse.SUPPRESS)  # tests: SIGKILL self at a phase
+    return ap
+
+
+def finish_args(args: argparse.Namespace, dry_run: bool) -> argparse.Namespace:
+    if args.seq_len is None:
+        args.seq_len = 128 if dry_run else 4096
+    if args.steps is None:
+        args.steps = 1 if dry_run else 4
+    if dry_run and args.layers is None:
+        args.layers = 2
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    args.warmup = min(args.warmup, args.steps - 1)  # always time at least one step
+    if args.expandable_segments:  # before anything touches CUDA; the supervised child inherits it
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model config
+
+
+def load_model_yaml(name: str) -> Dict[str, Any]:
+    """The fields of conf/model/<name>.yaml as a plain dict (PyYAML, which transformers needs; omegaconf otherwise)."""
+    path = ROOT / "conf" / "model" / f"{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+        raise SystemExit(f"--model {name}: no {path.relative_to(ROOT)}; known: {', '.join(known)}")
+    try:
+        import yaml
+
+        fields = yaml.safe_load(path.read_text())
+    except ImportError:
+        from omegaconf import OmegaConf
+
+        fields = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    # PyYAML reads "1e-06" (no dot) as a string: YAML 1.1 floats need one
+    for key in ("rms_norm_eps", "rope_theta"):
+        if isinstance(fields.get(key), str):
+            fields[key] = float(fields[key])
+    return fields
+
+
+def model_fields(args: argparse.Namespace) -> Dict[str, Any]:
+    """The YAML's fields with --layers / --vocab applied; `truncated` says whether they changed the model."""
+    fields = load_model_yaml(args.model)
+    fields["full_num_hidden_layers"] = fields["num_hidden_layers"]
+    if args.layers is not None:
+        if not 1 <= args.layers <= fields["num_hidden_layers"]:
+            raise SystemExit(f"--layers {args.layers}: {args.model} has {fields['num_hidden_layers']} layers")
+        fields["num_hidden_layers"] = args.layers
+    if args.vocab is not None:
+        fields["vocab_size"] = args.vocab
+    fields["truncated"] = (fields["num_hidden_layers"] != fields["full_num_hidden_layers"]) or args.vocab is not None
+    return fields
+
+
+def flops_cfg(fields: Dict[str, Any]) -> SimpleNamespace:
+    """What engine.metrics.{count_params, model_flops_per_token} read."""
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size", "tie_word_embeddings", "qkv_bias", "qk_norm")
+    return SimpleNamespace(**{k: fields.get(k) for k in keys})
+
+
+def hf_config(fields: Dict[str, Any]):
+    """A transformers config for the YAML's architecture (Qwen2 for the Qwen2.5 files; Qwen3 and Llama too)."""
+    import inspect
+
+    import transformers
+
+    model_type = fields.get("model_type", "qwen2")
+    classes = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "llama": "LlamaConfig"}
+    if model_type not in classes:
+        raise SystemExit(f"model_type {model_type!r} has no peer mapping (known: {sorted(classes)})")
+    cls = getattr(transformers, classes[model_type])
+    kw = dict(
+        hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
+        num_hidden_layers=fields["num_hidden_layers"], num_attention_heads=fields["num_attention_heads"],
+        num_key_value_heads=fields["num_key_value_heads"], vocab_size=fields["vocab_size"],
+        max_position_embeddings=fields["max_position_embeddings"], rms_norm_eps=float(fields["rms_norm_eps"]),
+        tie_word_embeddings=bool(fields["tie_word_embeddings"]), use_cache=False,
+    )
+    for key in ("bos_token_id", "eos_token_id"):  # dropped when --vocab shrinks the vocabulary below them
+        token = fields.get(key)
+        kw[key] = token if isinstance(token, int) and token < fields["vocab_size"] else None
+    if fields.get("head_dim"):
+        kw["head_dim"] = fields["head_dim"]
+    if model_type == "llama":
+        kw.update(attention_bias=bool(fields.get("qkv_bias", False)), mlp_bias=False)
+    scaling = dict(fields.get("rope_scaling") or {})
+    theta = float(fields["rope_theta"])
+    if "rope_parameters" in inspect.signature(cls.__init__).parameters:  # transformers >= 5
+        kw["rope_parameters"] = {"rope_type": scaling.pop("rope_type", "default"), "rope_theta": theta, **scaling}
+    else:
+        kw["rope_theta"] = theta
+        if scaling:
+            kw["rope_scaling"] = scaling
+    cfg = cls(**kw)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def hf_model_class(fields: Dict[str, Any]):
+    import transformers
+
+    name = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+    return getattr(transformers, name[fields.get("model_type", "qwen2")])
+
+
+def checkpointing_on(model) -> bool:
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the first is transformers >= 5.24
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing of every decoder layer, non-reentrant (transformers 5.24 renamed the method)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
+def param_groups(model) -> List[Dict[str, Any]]:
+    """The engine's decay split: weight decay on tensors of two or more dimensions, none on biases and norms."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        ndim = p.ds_shape.__len__() if hasattr(p, "ds_shape") else p.ndim  # ZeRO-3 partitioned params are 1-D
+        (decay if ndim >= 2 else no_decay).append(p)
+    return [g for g in ({"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def say(note, what: str) -> None:
+    if note is not None:
+        note(what)
+
+
+def random_batches(step: int, args: argparse.Namespace, vocab_size: int, device) -> List[torch.Tensor]:
+    """`grad_accum` micro-batches of token ids, uniform over the vocabulary, seeded by (seed, step)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    ids = torch.randint(0, vocab_size, (args.grad_accum, args.micro_batch_size, args.seq_len), generator=g)
+    return [m.to(device, non_blocking=True) for m in ids.unbind(0)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Progress, memory, versions
+
+
+class Progress:
+    """`[peer <system> +<s> host <GiB> gpu <GiB>] <phase>: <msg>` lines, flushed; remembers the phase."""
+
+    def __init__(self, system: str, debug_kill_phase: Optional[str] = None):
+        self.system, self.t0, self.phase = system, time.perf_counter(), "start"
+        self.debug_kill_phase = debug_kill_phase
+
+    def __call__(self, phase: str, msg: str = "") -> None:
+        self.phase = phase
+        gpu = torch.cuda.memory_allocated() / GIB if torch.cuda.is_available() else 0.0
+        host = host_rss_gib()
+        print(f"[peer {self.system} +{time.perf_counter() - self.t0:.1f}s host {host:.1f} GiB gpu {gpu:.1f} GiB] "
+              f"{phase}{': ' + msg if msg else ''}", flush=True)
+        if self.debug_kill_phase and phase == self.debug_kill_phase:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _status_gib(field: str, pid: str = "self") -> Optional[float]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024 / GIB
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def host_rss_gib() -> float:
+    return _status_gib("VmRSS") or 0.0
+
+
+def host_peak_gib() -> Optional[float]:
+    """VmHWM: the largest resident set size this process has had (pinned pages included once touched)."""
+    return _status_gib("VmHWM")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def versions() -> Dict[str, Any]:
+    out: Dict[str, Any] = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                           "torch": torch.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    for mod in ("triton", "transformers"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: recorded as None
+            out[mod] = None
+    out["git_sha"] = git_sha()
+    out["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_rank_env() -> None:
+    """What torchrun would set for one process, so no launcher is needed."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rows
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else value.tolist()
+    if hasattr(value, "item") and callable(value.item) and not isinstance(value, (list, dict, str)):
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)
+
+
+def write_row(path: str | Path, row: Dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(_jsonable(row), allow_nan=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    print(f"{ROW_WRITTEN} -> {path}", flush=True)
+
+
+def base_row(system: str, args: argparse.Namespace, fields: Dict[str, Any]) -> Dict[str, Any]:
+    tokens = args.micro_batch_size * args.grad_accum * args.seq_len
+    return {
+        "bench": "peer", "system": system, "model": args.model,
+        "num_hidden_layers": fields["num_hidden_layers"], "vocab_size": fields["vocab_size"],
+        "truncated": fields["truncated"], "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size,
+        "grad_accum": args.grad_accum, "tokens_per_step": tokens, "steps": args.steps, "warmup": args.warmup,
+        "num_params": count_params(flops_cfg(fields)), "tag": args.tag,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+    }
+
+
+def error_text(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, torch.OutOfMemoryError):
+        return f"CUDA out of memory: {msg[:300]}"
+    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+        return f"out of memory ({type(exc).__name__}): {msg[:300]}"
+    return f"{type(exc).__name__}: {msg[:300]}"
+
+
+RESULT_KEYS = ("build_s", "steps_done", "step_s", "step_s_all", "tokens_per_s", "tflops", "tflops_6n", "mfu",
+               "peak_tflops", "gpu_mem_gib", "gpu_reserved_gib", "host_mem_gib", "losses", "grad_norms")
+
+
+def null_results(row: Dict[str, Any]) -> Dict[str, Any]:
+    """The result keys, unmeasured, for rows written without a run (a refused import, a killed child)."""
+    for key in RESULT_KEYS:
+        row.setdefault(key, None)
+    return row
+
+
+def fill_results(row: Dict[str, Any], fields: Dict[str, Any], args: argparse.Namespace, step_times: List[float],
+                 losses: List[float], grad_norms: List[float]) -> None:
+    """Throughput and memory of a run (partial runs too: what was measured so far)."""
+    timed = step_times[args.warmup:] if len(step_times) > args.warmup else step_times
+    step_s = statistics.median(timed) if timed else None
+    tokens_per_s = row["tokens_per_step"] / step_s if step_s else None
+    flops = model_flops_per_token(flops_cfg(fields), args.seq_len)
+    tflops = flops["train_flops_per_token"] * tokens_per_s / 1e12 if tokens_per_s else None
+    row.update({
+        "steps_done": len(step_times), "step_s": step_s, "step_s_all": step_times, "tokens_per_s": tokens_per_s,
+        "tflops": tflops, "tflops_6n": flops["6n_flops_per_token"] * tokens_per_s / 1e12 if tokens_per_s else None,
+        "mfu": tflops / args.peak_tflops if tflops is not None and args.peak_tflops else None,
+        "peak_tflops": args.peak_tflops,
+        "gpu_mem_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None,
+        "gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB if torch.cuda.is_available() else None,
+        "host_mem_gib": host_peak_gib(), "losses": losses, "grad_norms": grad_norms,
+    })
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The run
+
+
+# (micro-batches, note) -> (mean loss, grad norm); note(what) is None or prints a progress line (warm-up steps)
+StepFn = Callable[[Sequence[torch.Tensor], Optional[Callable[[str], None]]], tuple]
+
+
+def run(system: str, args: argparse.Namespace, fields: Dict[str, Any], build: Callable[[Callable], Dict[str, Any]],
+        device, extra: Optional[Dict[str, Any]] = None) -> int:
+    """Build, then `args.steps` timed steps; always one row. `build(progress)` returns a dict with `step` (StepFn)
+    and optional row fields. Returns the exit code: 0 on success or a caught out-of-memory error, 1 otherwise."""
+    progress = Progress(system, args.debug_kill_phase)
+    row = {**base_row(system, args, fields), **versions(), **(extra or {})}
+    step_times: List[float] = []
+    losses: List[float] = []
+    grad_norms: List[float] = []
+    rc = 0
+    try:
+        progress("build", f"{args.model} ({fields['num_hidden_layers']} layers, vocab {fields['vocab_size']}, "
+                          f"{row['num_params'] / 1e9:.2f}B params)")
+        t0 = time.perf_counter()
+        torch.manual_seed(args.seed)  # the random init
+        built = build(progress)
+        sync()
+        row["build_s"] = time.perf_counter() - t0
+        step = built.pop("step")
+        row.update(built)
+        progress("built", f"{row['build_s']:.1f}s")
+        for i in range(args.steps):
+            batches = random_batches(i, args, fields["vocab_size"], device)
+            kind = "warm-up" if i < args.warmup else "timed"
+            progress(f"step {i + 1}/{args.steps}", f"{kind}, {row['tokens_per_step']:,} tokens")
+            # warm-up steps (untimed) announce each micro-batch's phases, so a log that ends shows where it died
+            note = (lambda what, _i=i: progress(f"step {_i + 1}/{args.steps} {what}")) if i < args.warmup else None
+            sync()
+            t = time.perf_counter()
+            loss, gnorm = step(batches, note)
+            sync()
+            step_times.append(time.perf_counter() - t)
+            losses.append(float(loss))
+            grad_norms.append(float(gnorm))
+            progress(f"step {i + 1}/{args.steps} done", f"{step_times[-1]:.3f}s loss {losses[-1]:.4f} "
+                                                         f"grad_norm {grad_norms[-1]:.3f}")
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        row["error"] = error_text(e)
+        row["error_phase"] = progress.phase
+        progress("error", row["error"])
+    except Exception as e:  # noqa: BLE001 - every failure still gives a row
+        row["error"] = error_text(e)
+        row["error_phase"] = progress.phase
+        row["traceback"] = traceback.format_exc()[-3000:]
+        traceback.print_exc()
+        rc = 0 if "out of memory" in row["error"].lower() else 1
+    row.setdefault("build_s", None)
+    fill_results(row, fields, args, step_times, losses, grad_norms)
+    row.setdefault("error", None)
+    write_row(args.out, row)
+    if row["error"] is None:
+        print(f"[peer {system}] {args.model}: {row['tokens_per_s']:,.0f} tokens/s, step {row['step_s']:.3f}s, "
+              f"{row['tflops']:.1f} TFLOPS ({row['tflops_6n']:.1f} 6N), GPU peak {row['gpu_mem_gib'] or 0:.1f} GiB, "
+              f"host peak {row['host_mem_gib'] or 0:.1f} GiB", flush=True)
+    return rc
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The supervisor: the same script as a child process, so a host-OOM kill still leaves a row
+
+
+def is_child() -> bool:
+    return os.environ.get(CHILD_ENV) == "1"
+
+
+def supervise(system: str, args: argparse.Namespace, fields: Dict[str, Any]) -> int:
+    cmd = [sys.executable, "-u", sys.argv[0], *sys.argv[1:]]
+    proc = subprocess.Popen(cmd, env={**os.environ, CHILD_ENV: "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    tail: List[str] = []
+    state: Dict[str, Any] = {"phase": "start", "row": False, "build_s": None, "steps": []}
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            tail.append(line)
+            del tail[:-80]
+            if line.startswith(ROW_WRITTEN):
+                state["row"] = True
+            elif line.startswith("[peer ") and "] " in line:
+                phase, _, msg = line.split("] ", 1)[1].partition(":")
+                state["phase"] = phase.strip()
+                try:  # what the child measured before it died
+                    if state["phase"] == "built":
+                        state["build_s"] = float(msg.split()[0].rstrip("s"))
+                    elif state["phase"].endswith(" done"):
+                        state["steps"].append(float(msg.split()[0].rstrip("s")))
+                except (ValueError, IndexError):
+                    pass
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    observed = 0.0
+    while proc.poll() is None:
+        observed = max(observed, _status_gib("VmRSS", str(proc.pid)) or 0.0)
+        time.sleep(0.5)
+    reader.join(timeout=10)
+    rc = proc.returncode
+    if state["row"]:
+        return rc
+    if rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        hint = " (host out of memory?)" if -rc == signal.SIGKILL else ""
+        error = f"killed: {name} during {state['phase']}{hint}"
+    else:
+        error = f"exit {rc} during {state['phase']} without a row"
+    row = {**base_row(system, args, fields), **versions(), "error": error, "error_phase": state["phase"],
+           "host_mem_gib_observed": observed, "build_s": state["build_s"], "steps_done": len(state["steps"]),
+           "step_s_all": state["steps"], "log_tail": "".join(tail)[-3000:]}
+    write_row(args.out, null_results(row))
+    print(f"[peer {system}] {error}; largest child RSS seen {observed:.1f} GiB", flush=True)
+    return 0 if rc == -signal.SIGKILL else (rc if rc > 0 else 1)
+
+
+def main(system: str, args: argparse.Namespace, fields: Dict[str, Any], child: Callable[[], int]) -> None:
+    """Supervise (default) or run `child()` in this process; exit with its code."""
+    if args.no_supervise or is_child():
+        sys.exit(child())
+    sys.exit(supervise(system, args, fields))
+
+
+def refuse_without_cuda(script: str) -> None:
+    if not torch.cuda.is_available():
+        print(f"{script}: needs a CUDA GPU (torch {torch.__version__} sees none); this peer baseline measures GPU "
+              f"training. On a CPU-only machine, only the smoke runs work: all_on_gpu.py --dry-run, "
+              f"fsdp2_offload.py --dry-run.", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,636 @@
+"""Flash attention (forward + backward) in Triton: causal, GQA, sliding window, attention sinks, returns the LSE.
+
+    out = flash_attention(q, k, v, causal=True, window=None, sinks=None, scale=None)
+    out, lse = flash_attention_with_lse(q, k, v, ...)      # lse [B, Hq, Tq] fp32, natural log, sink included
+    out, lse = merge_attention(out1, lse1, out2, lse2)      # combine attention over two disjoint KV chunks
+
+Shapes: q [B, Hq, Tq, D], k and v [B, Hkv, Tk, D] (any strides with the last dim contiguous, e.g. the
+`.transpose(1, 2)` views of engine/model/dense.py), bf16 / fp16 (fp32 allowed: exact IEEE dots, for tests).
+Query head j reads kv head j // (Hq // Hkv) (HF repeat_kv / SDPA enable_gqa grouping); any ratio. D is a power
+of two in 16..128. Usually Tq == Tk; they may differ for chunked attention (see `q_offset`).
+
+Masking. Query row i sits at position p_i = q_offset + i on the key axis (default q_offset = Tk - Tq, i.e. the
+last query is aligned with the last key, the flash-attn convention; 0 when Tq == Tk). Key j is visible iff
+    j <= p_i                  when causal
+    j >  p_i - window         when window is given (HF / gpt-oss `sliding_window_overlay`: kv_idx > q_idx - W),
+so a causal window-W row sees exactly W keys including itself (fewer at the start). Without `causal` the window
+only bounds the past (the future stays visible). A row that sees no key returns 0 and lse = -inf (lse = sink
+with sinks), which `merge_attention` handles.
+
+Sinks (gpt-oss): `sinks` fp32 [Hq] is an extra logit per head in every softmax row with a zero value vector:
+p = softmax([s_i1..s_iT, sink_h]), out_i = sum_j p_ij v_j, lse_i = log(sum_j exp(s_ij) + exp(sink_h)).
+Its gradient: dL/dsink_h = -sum_{b,i} p_sink_i * (rowsum(dO_i * O_i) - dlse_i), p_sink_i = exp(sink_h - lse_i)
+(from dO_i/dsink = -p_sink_i O_i and dlse_i/dsink = p_sink_i).
+
+Algorithm. Forward: one program per (BLOCK_M query rows, batch, query head); online softmax in fp32 (exp2 with
+scale*log2(e) folded); K/V of the kv head read in place (GQA costs no copy). Backward (FA2): a preprocess
+kernel computes delta_i = rowsum(dO_i * O_i) - dlse_i; a dK/dV kernel with one program per (BLOCK_N keys, batch,
+kv head) loops over the G = Hq/Hkv query heads of its group and over their query blocks, accumulating dK and dV
+of the group in fp32 registers and storing them once: no atomics, no [B, Hq, Tk, D] partial buffers (zero extra
+memory for GQA), at the price of G times more work per program (fewer, longer programs: fine from ~16K tokens
+up). dQ comes from a separate kernel (one program per query block, like the forward) that recomputes P, so the
+whole backward is deterministic (bitwise reproducible run to run). Memory is O(T): never a T x T tensor; the
+backward keeps only out and lse [B, Hq, Tq] fp32 (plus delta of the same size).
+
+Block skipping: each program computes the range of key blocks (forward, dQ) or query blocks (dK/dV) that its
+causal/window band touches and visits only those; blocks fully inside the band run without any masking, only
+the diagonal, window-edge and ragged last blocks build a mask. Causal costs half of full attention, a window W
+costs O(T * W).
+
+Tensor-core use: on the GPU the dots take bf16/fp16 operands with fp32 accumulation. Under the Triton
+interpreter (TRITON_INTERPRET=1, CPU tests) every load is upcast to fp32 at once and the dots run in fp32
+(bf16 dots are wrong there), and there is exactly one small config per kernel (32 x 16 / 16 x 32 blocks).
+
+Autotuning (GPU): a small config set per kernel keyed on (D, T bucket, causal, window is None); the T bucket is
+next_pow2(T) capped at 16K, so all long sequences share the configs tuned at the first long call (tuning at 512K
+itself would take minutes: warm up at 16K-32K). STREAMTRAIN_ATTN_AUTOTUNE=0 skips tuning and uses one default
+config per kernel; fp32 inputs always use a fixed small config. A fresh machine compiles ~14 configs per
+(D, causal, window, sinks) combination on first use (about a minute).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+AUTOTUNE = os.environ.get("STREAMTRAIN_ATTN_AUTOTUNE", "1") != "0" and not INTERPRET
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_NEG_INF = float("-inf")
+
+__all__ = ["FlashAttention", "flash_attention", "flash_attention_with_lse", "merge_attention"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# device helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _split_range(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """Block starts [a, b) masked, [b, c) unmasked, [c, hi) masked, covering [lo, hi). All inputs >= 0."""
+    a = (lo // BLOCK) * BLOCK
+    b = ((full_lo + BLOCK - 1) // BLOCK) * BLOCK
+    b = tl.minimum(tl.maximum(b, a), tl.maximum(hi, a))
+    c = (full_hi // BLOCK) * BLOCK
+    c = tl.maximum(c, b)
+    return a, b, c
+
+
+@triton.jit
+def _kv_range(start_m, q_offset, Tk, W, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Keys a query block [start_m, start_m + BLOCK_M) can see: [lo, hi); fully visible to every row: [flo, fhi)."""
+    pmin = start_m + q_offset
+    pmax = pmin + BLOCK_M - 1
+    hi = Tk + 0 * pmin
+    fhi = Tk + 0 * pmin
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(hi, pmax + 1), 0)
+        fhi = tl.maximum(tl.minimum(fhi, pmin + 1), 0)
+    lo = 0 * pmin
+    flo = 0 * pmin
+    if HAS_WINDOW:
+        lo = tl.maximum(pmin - W + 1, 0)
+        flo = tl.maximum(pmax - W + 1, 0)
+    return lo, flo, fhi, hi
+
+
+@triton.jit
+def _q_range(start_n, q_offset, Tq, W, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Query rows that see some key of [start_n, start_n + BLOCK_N): [lo, hi); that see all of it: [flo, fhi)."""
+    jmin = start_n
+    jmax = start_n + BLOCK_N - 1
+    lo = 0 * jmin
+    flo = 0 * jmin
+    if CAUSAL:
+        lo = tl.maximum(jmin - q_offset, 0)
+        flo = tl.maximum(jmax - q_offset, 0)
+    hi = Tq + 0 * jmin
+    fhi = Tq + 0 * jmin
+    if HAS_WINDOW:
+        hi = tl.minimum(hi, tl.maximum(jmax + W - q_offset, 0))
+        fhi = tl.minimum(fhi, tl.maximum(jmin + W - q_offset, 0))
+    return lo, flo, fhi, hi
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset, qk_scale, Tk, W,
+               n_lo, n_hi,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+               UPCAST: tl.constexpr, PREC: tl.constexpr):
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_n0
+        ld = (offs_n < Tk)[:, None]
+        k = tl.load(K + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :], mask=ld, other=0.0)
+        v = tl.load(V + offs_n[:, None].to(tl.int64) * stride_vt + offs_d[None, :], mask=ld, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)  # unscaled: the scale folds into one FMA below
+        if MASK:
+            pos_q = offs_m + q_offset
+            vis = (offs_m[:, None] < Tq) & (offs_n[None, :] < Tk)
+            if CAUSAL:
+                vis = vis & (offs_n[None, :] <= pos_q[:, None])
+            if HAS_WINDOW:
+                vis = vis & (offs_n[None, :] > pos_q[:, None] - W)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = m_new
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, S, O, LSE,
+              stride_qb, stride_qh, stride_qt,
+              stride_kb, stride_kh, stride_kt,
+              stride_vb, stride_vh, stride_vt,
+              stride_ob, stride_oh, stride_ot,
+              Hq, G, Tq, Tk, q_offset, W, qk_scale, T_BUCKET,
+              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+              UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the heaviest (last) query blocks first: better tail balance
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // G
+    start_m = pid_m * BLOCK_M
+    Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    K += b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    O += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    LSE += bh.to(tl.int64) * Tq
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Tq
+    q = tl.load(Q + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if HAS_SINKS:  # the sink is a key with logit sink and value 0: start the running max/sum with it
+        sink = tl.load(S + h).to(tl.float32) * 1.4426950408889634
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    else:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    lo, flo, fhi, hi = _kv_range(start_m, q_offset, Tk, W, BLOCK_M, CAUSAL, HAS_WINDOW)
+    a, bb, c = _split_range(lo, flo, fhi, hi, BLOCK_N)
+    if HAS_WINDOW:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
+                                   qk_scale, Tk, W, a, bb, True, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
+                               qk_scale, Tk, W, bb, c, False, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
+                               qk_scale, Tk, W, c, hi, True, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+
+    empty = l_i == 0.0  # no key and no sink: out 0, lse -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(O + offs_m[:, None].to(tl.int64) * stride_ot + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + offs_m, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_preprocess(O, DO, DLSE, DELTA,
+                    stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot,
+                    Hq, Tq, HEAD_DIM: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Tq
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                + offs_m[:, None].to(tl.int64) * stride_ot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                 + offs_m[:, None].to(tl.int64) * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh.to(tl.int64) * Tq + offs_m, mask=row_ok, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * Tq + offs_m, delta, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_m0, offs_d, offs_n, qk_scale,
+                q_offset, Tq, Tk, W, m_lo, m_hi,
+                MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                UPCAST: tl.constexpr, PREC: tl.constexpr):
+    for start_m in range(m_lo, m_hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + offs_m0
+        row_ok = offs_m < Tq
+        q = tl.load(Q + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + offs_m[:, None].to(tl.int64) * stride_dot + offs_d[None, :], mask=row_ok[:, None],
+                     other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        # lse in log2 units, +inf for rows out of range or that saw nothing (p = 0 there)
+        lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
+        sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        pT = tl.math.exp2(sT - lse[None, :])
+        if MASK:  # [N, M] orientation
+            pos_q = offs_m + q_offset
+            vis = (offs_m[None, :] < Tq) & (offs_n[:, None] < Tk)
+            if CAUSAL:
+                vis = vis & (offs_n[:, None] <= pos_q[None, :])
+            if HAS_WINDOW:
+                vis = vis & (offs_n[:, None] > pos_q[None, :] - W)
+            pT = tl.where(vis, pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
+                   stride_qb, stride_qh, stride_qt,
+                   stride_kb, stride_kh, stride_kt,
+                   stride_vb, stride_vh, stride_vt,
+                   stride_dob, stride_doh, stride_dot,
+                   stride_dkb, stride_dkh, stride_dkt,
+                   stride_dvb, stride_dvh, stride_dvt,
+                   Hq, Hkv, G, Tq, Tk, q_offset, W, qk_scale, scale, T_BUCKET,
+                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)  # causal: the first key blocks are the heaviest and run first
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    hk = bh % Hkv
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_n < Tk
+    K += b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    k = tl.load(K + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + offs_n[:, None].to(tl.int64) * stride_vt + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    lo, flo, fhi, hi = _q_range(start_n, q_offset, Tq, W, BLOCK_N, CAUSAL, HAS_WINDOW)
+    a, bb, c = _split_range(lo, flo, fhi, hi, BLOCK_M)
+    if not HAS_WINDOW:
+        # Without a window only the diagonal needs a mask here: rows past Tq load q = dO = 0 and lse = +inf, so
+        # they add exactly 0 to dK and dV and the ragged last query block can run unmasked (one loop less).
+        c = tl.maximum(hi, bb)
+    for g in range(G):  # the query heads of this kv head's group
+        h = hk * G + g
+        Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        DOh = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        LSEh = LSE + (b * Hq + h).to(tl.int64) * Tq
+        DELTAh = DELTA + (b * Hq + h).to(tl.int64) * Tq
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_m0, offs_d, offs_n,
+                                 qk_scale, q_offset, Tq, Tk, W, a, bb, True, CAUSAL, HAS_WINDOW, BLOCK_M, UPCAST, PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_m0, offs_d, offs_n,
+                             qk_scale, q_offset, Tq, Tk, W, bb, c, False, CAUSAL, HAS_WINDOW, BLOCK_M, UPCAST, PREC)
+        if HAS_WINDOW:
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_m0, offs_d, offs_n,
+                                 qk_scale, q_offset, Tq, Tk, W, c, hi, True, CAUSAL, HAS_WINDOW, BLOCK_M, UPCAST, PREC)
+    dk = dk * scale
+    DK += b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+    DV += b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
+    tl.store(DK + offs_n[:, None].to(tl.int64) * stride_dkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=col_ok[:, None])
+    tl.store(DV + offs_n[:, None].to(tl.int64) * stride_dvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=col_ok[:, None])
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset, qk_scale, Tk, W,
+              n_lo, n_hi,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+              UPCAST: tl.constexpr, PREC: tl.constexpr):
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_n0
+        ld = (offs_n < Tk)[:, None]
+        k = tl.load(K + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :], mask=ld, other=0.0)
+        v = tl.load(V + offs_n[:, None].to(tl.int64) * stride_vt + offs_d[None, :], mask=ld, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.math.exp2(s - lse[:, None])
+        if MASK:
+            pos_q = offs_m + q_offset
+            vis = (offs_m[:, None] < Tq) & (offs_n[None, :] < Tk)
+            if CAUSAL:
+                vis = vis & (offs_n[None, :] <= pos_q[:, None])
+            if HAS_WINDOW:
+                vis = vis & (offs_n[None, :] > pos_q[:, None] - W)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
+                 stride_qb, stride_qh, stride_qt,
+                 stride_kb, stride_kh, stride_kt,
+                 stride_vb, stride_vh, stride_vt,
+                 stride_dob, stride_doh, stride_dot,
+                 stride_dqb, stride_dqh, stride_dqt,
+                 Hq, G, Tq, Tk, q_offset, W, qk_scale, scale, T_BUCKET,
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // G
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Tq
+    Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    DO += b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    K += b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    q = tl.load(Q + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + offs_m[:, None].to(tl.int64) * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + bh.to(tl.int64) * Tq + offs_m, mask=row_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + bh.to(tl.int64) * Tq + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    lo, flo, fhi, hi = _kv_range(start_m, q_offset, Tk, W, BLOCK_M, CAUSAL, HAS_WINDOW)
+    a, bb, c = _split_range(lo, flo, fhi, hi, BLOCK_N)
+    if HAS_WINDOW:
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
+                       qk_scale, Tk, W, a, bb, True, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
+                   qk_scale, Tk, W, bb, c, False, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
+                   qk_scale, Tk, W, c, hi, True, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+    dq = dq * scale
+    DQ += b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+    tl.store(DQ + offs_m[:, None].to(tl.int64) * stride_dqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launch configuration
+# ----------------------------------------------------------------------------------------------------------------
+
+_KEY = ["HEAD_DIM", "T_BUCKET", "CAUSAL", "HAS_WINDOW"]
+
+
+def _cfgs(rows):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in rows]
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward and dQ: BLOCK_M query rows per program, BLOCK_N keys per
+# step. dK/dV: BLOCK_N keys per program, BLOCK_M query rows per step. Chosen from sm_90 compiles (ptxas -v, triton
+# 3.6 and 3.9) of these kernels: all software-pipelined (cp.async), none spilling more than a few bytes at D=128
+# (two fp32 [128, D] dK/dV accumulators fill the registers, hence BLOCK_M 16/32 there).
+_FWD_ROWS = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)]
+_DKDV_ROWS = [(32, 128, 8, 3), (16, 128, 8, 3), (32, 128, 8, 2), (32, 64, 8, 3), (16, 64, 4, 3)]
+_DQ_ROWS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)]
+_DEFAULT = {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 3), "dq": (128, 64, 8, 3)}
+# Interpreter: exactly one small config per kernel (it cannot autotune). BLOCK_M != BLOCK_N, oriented like the
+# GPU configs, so the CPU tests cover the asymmetric block-range arithmetic.
+_INTERPRET = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+_PRE_BLOCK = 16 if INTERPRET else 128
+
+
+# fp32 inputs (IEEE dots, tests only) and STREAMTRAIN_ATTN_AUTOTUNE=0 use the fixed config of each kernel.
+_FIXED = {name: dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+          for name, (m, n, w, s) in (_INTERPRET if INTERPRET else _DEFAULT).items()}
+# fp32 tiles take twice the shared memory: smaller fixed blocks (any D up to 128 fits).
+_FIXED_FP32 = _FIXED if INTERPRET else {
+    name: dict(BLOCK_M=m, BLOCK_N=n, num_warps=4, num_stages=2)
+    for name, (m, n) in {"fwd": (64, 32), "dkdv": (32, 64), "dq": (64, 32)}.items()}
+_KERNELS = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}
+_ROWS = {"fwd": _FWD_ROWS, "dkdv": _DKDV_ROWS, "dq": _DQ_ROWS}
+_TUNED = {name: triton.autotune(configs=_cfgs(_ROWS[name]), key=_KEY)(fn) for name, fn in _KERNELS.items()} \
+    if AUTOTUNE else {}
+
+
+def _t_bucket(t: int) -> int:
+    return min(triton.next_power_of_2(max(t, 16)), 16384)
+
+
+def _launch(name, dtype, grid_fn, *args, **kwargs):
+    if name in _TUNED and dtype != torch.float32:
+        _TUNED[name][lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
+    else:
+        fixed = (_FIXED_FP32 if dtype == torch.float32 else _FIXED)[name]
+        _KERNELS[name][grid_fn(fixed["BLOCK_M"], fixed["BLOCK_N"])](*args, **kwargs, **fixed)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------------------------
+
+def _check(q, k, v, sinks, window, scale):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, H, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, Hq, _, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k and v must be [B, Hkv, Tk, D] with q's B and D; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
+    if D < 16 or D > 128 or D & (D - 1):
+        raise ValueError(f"head_dim must be a power of two in 16..128, got {D}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q, k, v must share one dtype among bf16/fp16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must be on one device")
+    if scale is not None and not float(scale) > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    if window is not None and int(window) < 1:
+        raise ValueError(f"window must be >= 1 (keys seen per query, itself included), got {window}")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != Hq):
+        raise ValueError(f"sinks must be [Hq] = [{Hq}], got {tuple(sinks.shape)}")
+
+
+def _flags(q):
+    upcast = INTERPRET
+    prec = "ieee" if INTERPRET or q.dtype == torch.float32 else "tf32"  # tf32 is moot for bf16/fp16 operands
+    return upcast, prec
+
+
+def _forward(q, k, v, sinks, causal, window, scale, q_offset):
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    out = torch.empty((B, Hq, Tq, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
+    if Tq == 0 or B * Hq == 0:
+        return out, lse
+    upcast, prec = _flags(q)
+    has_sinks = sinks is not None
+    _launch("fwd", q.dtype, lambda bm, bn: (triton.cdiv(Tq, bm), B * Hq),
+            q, k, v, sinks if has_sinks else lse, out, lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            Hq, Hq // Hkv, Tq, Tk, q_offset, window or 0, scale * LOG2E, _t_bucket(max(Tq, Tk)),
+            HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=window is not None, HAS_SINKS=has_sinks,
+            UPCAST=upcast, PREC=prec)
+    return out, lse
+
+
+def _backward(do, dlse, q, k, v, out, lse, sinks, causal, window, scale, q_offset):
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    dq = torch.empty((B, Hq, Tq, D), device=q.device, dtype=q.dtype)
+    dk = torch.empty((B, Hkv, Tk, D), device=q.device, dtype=k.dtype)
+    dv = torch.empty((B, Hkv, Tk, D), device=q.device, dtype=v.dtype)
+    delta = torch.empty_like(lse)
+    upcast, prec = _flags(q)
+    bucket = _t_bucket(max(Tq, Tk))
+    has_window = window is not None
+    W = window or 0
+    if Tq > 0 and B * Hq > 0:
+        _bwd_preprocess[(triton.cdiv(Tq, _PRE_BLOCK), B * Hq)](
+            out, do, dlse if dlse is not None else lse, delta,
+            out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            Hq, Tq, HEAD_DIM=D, HAS_DLSE=dlse is not None, BLOCK_M=_PRE_BLOCK)
+    if Tk > 0 and B * Hkv > 0:
+        _launch("dkdv", q.dtype, lambda bm, bn: (triton.cdiv(Tk, bn), B * Hkv),
+                q, k, v, do, lse, delta, dk, dv,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                do.stride(0), do.stride(1), do.stride(2),
+                dk.stride(0), dk.stride(1), dk.stride(2),
+                dv.stride(0), dv.stride(1), dv.stride(2),
+                Hq, Hkv, Hq // Hkv, Tq, Tk, q_offset, W, scale * LOG2E, scale, bucket,
+                HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=has_window, UPCAST=upcast, PREC=prec)
+    if Tq > 0 and B * Hq > 0:
+        _launch("dq", q.dtype, lambda bm, bn: (triton.cdiv(Tq, bm), B * Hq),
+                q, k, v, do, lse, delta, dq,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                do.stride(0), do.stride(1), do.stride(2),
+                dq.stride(0), dq.stride(1), dq.stride(2),
+                Hq, Hq // Hkv, Tq, Tk, q_offset, W, scale * LOG2E, scale, bucket,
+                HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=has_window, UPCAST=upcast, PREC=prec)
+    dsinks = None
+    if sinks is not None:
+        # dL/dsink_h = -sum_{b,i} exp(sink_h - lse_bhi) * delta_bhi   (delta already holds rowsum(dO*O) - dlse)
+        dsinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum(dim=(0, 2))
+    return dq, dk, dv, dsinks
+
+
+class FlashAttention(torch.autograd.Function):
+    """(q, k, v, sinks, causal, window, scale, q_offset) -> (out, lse); differentiable in q, k, v, sinks, and
+    through both outputs (a gradient on lse enters the backward as delta -= dlse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, causal, window, scale, q_offset):
+        ctx.set_materialize_grads(False)  # an unused out / lse gives None, not a zero tensor
+        s32 = sinks.detach().float().contiguous() if sinks is not None else None
+        out, lse = _forward(q, k, v, s32, causal, window, scale, q_offset)
+        ctx.save_for_backward(q, k, v, out, lse, s32)
+        ctx.cfg = (causal, window, scale, q_offset)
+        ctx.sinks_dtype = sinks.dtype if sinks is not None else None
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, s32 = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dout = _last_dim_contiguous(dout)
+        if dlse is not None:
+            dlse = dlse.float().contiguous()
+        dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, s32, *ctx.cfg)
+        if dsinks is not None:
+            dsinks = dsinks.to(ctx.sinks_dtype)
+        return dq, dk, dv, dsinks, None, None, None, None
+
+
+def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                             window: int | None = None, sinks: torch.Tensor | None = None,
+                             scale: float | None = None, q_offset: int | None = None):
+    """Returns (out [B, Hq, Tq, D] in q's dtype, lse [B, Hq, Tq] fp32, natural log, sink included).
+
+    window: each query sees the keys j with p_i - window < j (<= p_i when causal): `window` keys, itself included.
+    sinks: fp32 [Hq] logits appended to every softmax row (gpt-oss). scale: default D**-0.5.
+    q_offset: key position of query row 0 (default Tk - Tq; pass it for chunked attention, e.g. 0 for the first
+    KV chunk and -c for a KV chunk starting at c)."""
+    _check(q, k, v, sinks, window, scale)
+    D = q.shape[-1]
+    scale = float(D ** -0.5 if scale is None else scale)
+    q_offset = int(k.shape[2] - q.shape[2] if q_offset is None else q_offset)
+    window = None if window is None else int(window)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    return FlashAttention.apply(q, k, v, sinks, bool(causal), window, scale, q_offset)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    window: int | None = None, sinks: torch.Tensor | None = None,
+                    scale: float | None = None, q_offset: int | None = None) -> torch.Tensor:
+    """Attention output [B, Hq, Tq, D]; see flash_attention_with_lse."""
+    return flash_attention_with_lse(q, k, v, causal, window, sinks, scale, q_offset)[0]
+
+
+def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor):
+    """Combine attention over two disjoint key sets: (out [.., T, D] in out1's dtype, lse [.., T] fp32).
+    Rows that saw no key in one part (lse = -inf) take the other part; rows empty in both stay 0 / -inf.
+    Pure torch, differentiable (gradients reach both parts' out and lse). A sink belongs in exactly one part."""
+    lse1, lse2 = lse1.float(), lse2.float()
+    lse = torch.logaddexp(lse1, lse2)
+    ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    w1 = torch.exp(lse1 - ref).unsqueeze(-1)
+    w2 = torch.exp(lse2 - ref).unsqueeze(-1)
+    out = (w1 * out1.float() + w2 * out2.float()).to(out1.dtype)
+    return out, lse

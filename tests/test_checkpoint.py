@@ -1,0 +1,219 @@
+"""Training-state checkpoints: exact resume through the real CLI, the on-disk format, keep-last-K, and refusal of
+damaged or mismatched checkpoints (always naming the file or the field), all on CPU with a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import checkpoint
+from engine.checkpoint import CheckpointError, SafetensorsFile
+from engine.config import ConfigError
+from engine.trainer import Trainer
+from tests.util import SMALL, make_cfg
+
+ROOT = Path(__file__).resolve().parent.parent
+# clipping and warmup active, several micro-batches: every part of the optimizer state matters for exactness
+RECIPE = [*SMALL, "data=synthetic", "train.seq_len=24", "train.micro_batch_size=2", "train.grad_accum=2",
+          "train.lr=1e-2", "train.warmup_steps=2", "train.max_grad_norm=0.05", "train.val_every=0",
+          "train.val_batches=2"]
+
+
+def train_cli(run_dir: Path, *args, check=True, timeout=240):
+    out = subprocess.run([sys.executable, "train.py", "logger=none", "hardware=cpu", *RECIPE, *args,
+                          f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "WANDB_MODE": "disabled"})
+    if check:
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out
+
+
+def step_losses(run_dir: Path):
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in recs if "loss" in r], [(r["step"], r["val_loss"]) for r in recs
+                                                                    if "val_loss" in r]
+
+
+def state_tensors(step_dir: Path):
+    """Every tensor of a training checkpoint (master weights and moments), by file-qualified name."""
+    out = {}
+    for f in sorted(step_dir.glob("unit_*.safetensors")):
+        with SafetensorsFile(f) as st:
+            out.update({k: st.get(k) for k in st.keys()})
+    return out
+
+
+def assert_same_state(a: Path, b: Path):
+    ta, tb = state_tensors(a), state_tensors(b)
+    assert ta.keys() == tb.keys() and len(ta) > 0
+    assert {k.split(".")[0] for k in ta} == {"master", "exp_avg", "exp_avg_sq"}
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+    sa, sb = (json.loads((d / "trainer_state.json").read_text()) for d in (a, b))
+    for key in ("step", "units", "rng", "skipped_steps", "tokens_total", "data_position", "lr_schedule"):
+        assert sa[key] == sb[key], key
+
+
+@pytest.mark.parametrize("engine", ["stream", "reference"])
+def test_ten_steps_equal_five_stop_resume_five(engine, tmp_path):
+    """train 10 == train 5, stop, resume=auto, train 5: loss curve, final weights and moments bit-identical."""
+    common = [f"engine={engine}", "train.steps=10", "train.checkpoint_every=5"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    Trainer(make_cfg([*RECIPE, *common]), whole).run()  # uninterrupted, in this process; the split run via the CLI
+    first = train_cli(split, *common, "train.stop_at=5")
+    assert "stopped at step 5" in first.stdout
+    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["step_5"]
+    second = train_cli(split, *common, "train.resume=auto")
+    assert f"resumed from {split / 'checkpoints' / 'step_5'} at step 5" in second.stdout
+    losses_whole, val_whole = step_losses(whole)
+    losses_split, val_split = step_losses(split)
+    assert [s for s, _ in losses_whole] == list(range(1, 11))
+    assert losses_split == losses_whole  # exact floats, one record per step
+    assert val_split == val_whole  # initial validation not repeated by the resumed process, final one equal
+    assert_same_state(whole / "checkpoints" / "step_10", split / "checkpoints" / "step_10")
+    for run in (whole, split):
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_10", "step_5"]
+    summary = json.loads((split / "summary.json").read_text())
+    assert summary["start_step"] == 5 and summary["tokens_total"] == 10 * 2 * 2 * 24
+
+
+def _trainer(tmp_path, *overrides):
+    return Trainer(make_cfg([*RECIPE, *overrides]), tmp_path)
+
+
+def test_format_keep_last_k_and_cleanup(tmp_path):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "step_2.tmp").mkdir()  # a killed save
+    (root / "step_9").mkdir()  # a step dir without manifest (incomplete)
+    Trainer(make_cfg([*RECIPE, "engine=stream", "train.steps=6", "train.checkpoint_every=1",
+                      "train.keep_checkpoints=2"]), tmp_path).run()
+    assert sorted(p.name for p in root.iterdir()) == ["step_5", "step_6"]
+    step = root / "step_6"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["step"] == 6 and set(manifest["files"]) == {p.name for p in step.iterdir()} - {"manifest.json"}
+    for name, meta in manifest["files"].items():
+        assert (step / name).stat().st_size == meta["bytes"]
+        assert checkpoint.sha256_file(step / name) == meta["sha256"]
+    state = json.loads((step / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["data_position"]["train_batches_consumed"] == 12
+    assert state["fingerprint"]["train"]["lr"] == 1e-2 and {"torch", "numpy", "python"} <= state["rng"].keys()
+    assert [u["adam_step"] for u in state["units"]] == [6.0] * 5
+    # the unit files are standard safetensors: the reference implementation reads them
+    from safetensors import safe_open
+
+    with safe_open(str(step / "unit_0001_layer0.safetensors"), "pt") as f:
+        assert f.metadata()["format"] == "pt" and f.metadata()["unit"] == "1"
+        q = f.get_tensor("master.model.layers.0.self_attn.q_proj.weight")
+    with SafetensorsFile(step / "unit_0001_layer0.safetensors") as st:
+        assert torch.equal(q, st.get("master.model.layers.0.self_attn.q_proj.weight"))
+
+
+def test_resume_auto_starts_fresh_then_skips_incomplete_and_cleans_up(tmp_path):
+    run = ["engine=reference", "train.steps=4", "train.checkpoint_every=2", "train.resume=auto"]
+    tr = _trainer(tmp_path, *run, "train.stop_at=2")
+    assert tr.start_step == 0  # nothing to resume from: a fresh start
+    tr.run()
+    root = tmp_path / "checkpoints"
+    # a newer step dir whose manifest never got written, and a killed save's leftover: ignored, then removed
+    (root / "step_7").mkdir()
+    (root / "step_7" / "unit_0000_embed.safetensors").write_bytes(b"partial")
+    (root / "step_3.tmp").mkdir()
+    tr = _trainer(tmp_path, *run)
+    assert tr.start_step == 2
+    tr.run()
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"]
+
+
+def test_fingerprint_mismatch_names_the_field(tmp_path):
+    _trainer(tmp_path, "engine=reference", "train.steps=3", "train.checkpoint_every=3").run()
+    with pytest.raises(ConfigError, match=r"train\.lr=0\.01 but this run has train\.lr=0\.02"):
+        _trainer(tmp_path, "engine=reference", "train.steps=3", "train.lr=2e-2", "train.resume=auto")
+    with pytest.raises(ConfigError, match=r"model\.hidden_size"):
+        _trainer(tmp_path, "engine=reference", "train.steps=3", "model.hidden_size=60", "train.resume=auto")
+    with pytest.raises(ConfigError, match=r"train\.steps=3 but this run has train\.steps=4"):
+        _trainer(tmp_path, "engine=reference", "train.steps=4", "train.resume=auto")
+    # another engine may resume it (same state format)
+    tr = _trainer(tmp_path, "engine=stream", "train.steps=3", "train.resume=auto")
+    assert tr.start_step == 3
+    tr.engine.close()
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    """A run with checkpoints at steps 2 and 4 (stream engine)."""
+    _trainer(tmp_path, "engine=stream", "train.steps=4", "train.checkpoint_every=2").run()
+    return tmp_path
+
+
+def _resume(run_dir, *extra):
+    return _trainer(run_dir, "engine=stream", "train.steps=4", "train.checkpoint_every=2", *extra)
+
+
+def _flip_byte(path: Path, offset_from_end: int = 100):
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_is_refused_naming_the_file(saved):
+    target = saved / "checkpoints" / "step_4" / "unit_0002_layer1.safetensors"
+    _flip_byte(target)
+    with pytest.raises(CheckpointError, match=f"{target}: checksum mismatch"):
+        _resume(saved, "train.resume=auto")  # the newest is damaged: refused, not silently replaced by step_2
+    tr = _resume(saved, f"train.resume={saved / 'checkpoints' / 'step_2'}")  # explicit fallback works
+    assert tr.start_step == 2
+    tr.engine.close()
+
+
+def test_truncated_file_is_refused_naming_the_file(saved):
+    target = saved / "checkpoints" / "step_4" / "unit_0000_embed.safetensors"
+    target.write_bytes(target.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match=f"{target}: truncated"):
+        _resume(saved, "train.resume=auto")
+
+
+def test_corrupt_trainer_state_is_refused_naming_the_file(saved):
+    target = saved / "checkpoints" / "step_4" / "trainer_state.json"
+    _flip_byte(target, 30)
+    with pytest.raises(CheckpointError, match=f"{target}"):
+        _resume(saved, "train.resume=auto")
+
+
+def test_missing_manifest_is_refused_naming_it(saved):
+    step = saved / "checkpoints" / "step_4"
+    (step / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=f"{step / 'manifest.json'}: missing"):
+        _resume(saved, f"train.resume={step}")
+    tr = _resume(saved, "train.resume=auto")  # auto: step_4 is incomplete, step_2 is the newest complete one
+    assert tr.start_step == 2
+    tr.engine.close()
+
+
+def test_refusal_through_the_cli_is_a_clean_error(tmp_path):
+    _trainer(tmp_path, "engine=reference", "train.steps=2", "train.checkpoint_every=2").run()
+    target = tmp_path / "checkpoints" / "step_2" / "unit_0004_head.safetensors"
+    _flip_byte(target)
+    out = train_cli(tmp_path, "engine=reference", "train.steps=2", "train.resume=auto", check=False)
+    assert out.returncode == 2 and str(target) in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "engine.checkpoint", "verify", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and str(target) in out.stderr
+
+
+def test_nothing_is_loaded_before_everything_is_verified(saved, monkeypatch):
+    """A damaged last unit file is found before the first unit is copied into the engine."""
+    _flip_byte(saved / "checkpoints" / "step_4" / "unit_0004_head.safetensors")
+    calls = []
+    from engine.schedule import StreamEngine
+
+    monkeypatch.setattr(StreamEngine, "load_unit_state", lambda self, *a, **k: calls.append(a[0]))
+    with pytest.raises(CheckpointError):
+        _resume(saved, "train.resume=auto")
+    assert calls == []
