@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One GPU-machine call: carried wheels, then the named stages, each writing JSONL and logs under $OUT.
+#   bash bench/gpu_session.sh tests kernels checkpoint perf7b peers attention
+# Needs .whl/ carried (hydra/omegaconf/antlr wheels; .whl/peers/ for DeepSpeed) and STREAMTRAIN_GIT_SHA set.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    tests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests \
+             2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+    kernels) timeout 150 python3 bench/bench_pack.py --out "$OUT/pack.jsonl" 2>&1 | tail -12
+             timeout 150 python3 bench/bench_grad_accum.py --out "$OUT/grad_accum.jsonl" 2>&1 | tail -12 ;;
+    checkpoint) timeout 300 python3 bench/bench_checkpoint.py --model qwen7b --workdir /tmp/ckpt \
+                  --out "$OUT/checkpoint.jsonl" hardware=h200 2>&1 | tail -12; rm -rf /tmp/ckpt ;;
+    perf7b) timeout 560 python3 bench/bench_engine.py --grid perf7b --out "$OUT/engine.jsonl" \
+              --workdir /tmp/bench --timeout-s 200 2>&1 | tail -10 ;;
+    attention) timeout 300 python3 bench/bench_attention.py --seq-lens 8192 32768 131072 \
+                 --out "$OUT/attention.jsonl" 2>&1 | tail -12 ;;
+    peers) timeout 200 python3 bench/peers/all_on_gpu.py --model qwen7b --micro-batch-size 2 --grad-accum 8 \
+             --out "$OUT/peers.jsonl" 2>&1 | tail -3 ;;
+  esac
+done
+cp /tmp/bench/*.log "$OUT/" 2>/dev/null
+ls "$OUT"
