@@ -24,5 +24,5 @@ for stage in "$@"; do
              --out "$OUT/peers.jsonl" 2>&1 | tail -3 ;;
   esac
 done
-cp /tmp/bench/*.log "$OUT/" 2>/dev/null
+[ -d /tmp/bench ] && tar czf "$OUT/logs.tgz" -C /tmp/bench $(cd /tmp/bench && ls *.log)
 ls "$OUT"
