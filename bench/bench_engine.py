@@ -55,11 +55,11 @@ GRIDS = {
     ],
     # issue 10: the planner's placement (GPU-updated leading units, compiled templates) at 64K and 16K tokens/step
     "perf7b": [
-        ("qwen7b-stream-64k-auto", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=5",
-                                    "train.micro_batch_size=2", "train.grad_accum=8"]),
-        ("qwen7b-stream-64k-auto-torch-accum", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=5",
+        ("qwen7b-stream-64k-auto", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
+                                    "train.micro_batch_size=2", "train.grad_accum=8", "train.compile=off"]),
+        ("qwen7b-stream-64k-auto-torch-accum", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
                                                 "train.micro_batch_size=2", "train.grad_accum=8",
-                                                "engine.fused_kernels=false"]),
+                                                "train.compile=off", "engine.fused_kernels=false"]),
         ("qwen7b-reference-64k-compiled", ["model=qwen7b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=4",
                                            "train.micro_batch_size=2", "train.grad_accum=8"]),
         ("qwen7b-stream-16k-auto", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",

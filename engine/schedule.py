@@ -125,8 +125,9 @@ class StreamEngine:
         fused = cfg.engine.fused_kernels
         self.acc: Dict[int, _Accumulator] = {0: _Accumulator(self.dev, layouts[0], fused),
                                              L + 1: _Accumulator(self.dev, layouts[-1], fused)}
-        self.device_accs = {u: _Accumulator(self.dev, layouts[u], fused)
-                            for u in sorted(self.device_units) if 0 < u <= L}
+        # GPU-updated layers need their own accumulators only when the other layers share a ring
+        self.device_accs = {} if self.grads_on_gpu else {
+            u: _Accumulator(self.dev, layouts[u], fused) for u in sorted(self.device_units) if 0 < u <= L}
         n_layer_accs = L if self.grads_on_gpu else min(2, L)
         self.layer_accs = [_Accumulator(self.dev, layer_layouts[0], fused) for _ in range(n_layer_accs)]
 

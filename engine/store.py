@@ -75,7 +75,7 @@ class HostStore:
         return list(torch.split(arena, numels))
 
     def _pin(self, t: torch.Tensor) -> None:
-        if not self.pin:
+        if not self.pin or t.numel() == 0:  # the empty placeholders of GPU-resident units
             return
         err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if int(err) != 0:
