@@ -37,18 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from engine import checkpoint  # noqa: E402
-from engine.metrics import git_sha, host_peak_rss_gib, host_rss_gib  # noqa: E402
-
-
-def versions() -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "git_sha": git_sha()}
+from engine.metrics import host_peak_rss_gib, host_rss_gib, run_environment  # noqa: E402
 
 
 def reset_peak() -> bool:
@@ -174,7 +163,7 @@ def main(argv=None) -> int:
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_checkpoint_"))
     work.mkdir(parents=True, exist_ok=True)
     rows: list = []
-    common = {"model": args.model, "engine": args.engine, **versions(),
+    common = {"model": args.model, "engine": args.engine, **run_environment(),
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     hf_dir, export_dir, state_root = work / "hf_random", work / "hf_export", work / "state"
     engine = None

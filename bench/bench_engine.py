@@ -73,21 +73,6 @@ GRIDS = {
 }
 
 
-def _versions() -> dict:
-    import torch
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    from engine.metrics import git_sha
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "git_sha": git_sha()}
-
-
 def _median(rows, key):
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return statistics.median(vals) if vals else None
@@ -152,7 +137,9 @@ def main() -> None:
     args = ap.parse_args()
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    meta = _versions()
+    from engine.metrics import run_environment
+
+    meta = run_environment()
     meta["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     rows = []
     out = Path(args.out)

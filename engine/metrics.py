@@ -156,6 +156,18 @@ def gpu_peak_mem_gib() -> float:
     return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0
 
 
+def run_environment() -> dict:
+    """GPU name, torch / triton versions and git revision: the fields every benchmark row carries."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "git_sha": git_sha()}
+
+
 def git_sha() -> str:
     """Short revision of the repository holding this file, "+dirty" when tracked files differ from it. A copy of
     the tree without .git (e.g. sent to a benchmark machine) can name its revision in STREAMTRAIN_GIT_SHA."""
