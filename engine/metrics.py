@@ -189,26 +189,29 @@ def git_sha() -> str:
 # JSON helpers
 
 
-def _jsonable(value: Any) -> Any:
-    """Plain JSON value: tensors and numpy scalars unwrapped, non-finite floats as None, containers recursed."""
-    if hasattr(value, "item") and callable(value.item):
+def jsonable(value: Any) -> Any:
+    """Plain JSON value: tensors and numpy scalars unwrapped (a multi-element tensor as a list), non-finite floats
+    as None, containers recursed."""
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        value = value.tolist()
+    if hasattr(value, "item") and callable(value.item) and not isinstance(value, (list, dict, str)):
         value = value.item()
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if value is None or isinstance(value, (bool, int, str)):
         return value
     return str(value)
 
 
 def _sanitize(record: Dict[str, Any]) -> Dict[str, Any]:
-    """`_jsonable` on each value, plus `<key>_finite: false` for each top-level float that was nan or inf."""
+    """`jsonable` on each value, plus `<key>_finite: false` for each top-level float that was nan or inf."""
     out: Dict[str, Any] = {}
     for key, value in record.items():
-        out[key] = _jsonable(value)
+        out[key] = jsonable(value)
         if out[key] is None and value is not None and not isinstance(value, (dict, list, tuple)):
             out[f"{key}_finite"] = False
     return out

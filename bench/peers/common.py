@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import signal
 import socket
@@ -45,7 +44,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from engine.metrics import count_params, git_sha, model_flops_per_token  # noqa: E402
+from engine.metrics import count_params, git_sha, jsonable, model_flops_per_token  # noqa: E402
 
 GIB = 2**30
 CHILD_ENV = "STREAMTRAIN_PEER_CHILD"
@@ -311,27 +310,11 @@ def single_rank_env() -> None:
 # Rows
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        value = value.item() if value.numel() == 1 else value.tolist()
-    if hasattr(value, "item") and callable(value.item) and not isinstance(value, (list, dict, str)):
-        value = value.item()
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    return str(value)
-
-
 def write_row(path: str | Path, row: Dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        f.write(json.dumps(_jsonable(row), allow_nan=False) + "\n")
+        f.write(json.dumps(jsonable(row), allow_nan=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
     print(f"{ROW_WRITTEN} -> {path}", flush=True)

@@ -268,13 +268,6 @@ def test_stochastic_bits_layout():
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: a real qwen7b layer (needs TRITON_INTERPRET=0)
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def cuda():
-    if P.INTERPRETED:
-        pytest.skip("GPU kernel tests need TRITON_INTERPRET=0")
-    return torch.device("cuda")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("grad_dtype", ["bf16", "fp32", "mixed"])
 def test_gpu_qwen7b_layer_accumulate(cuda, grad_dtype):

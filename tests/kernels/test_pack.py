@@ -319,13 +319,6 @@ def test_layout_helpers_name_the_tensor():
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: a real qwen7b layer (needs TRITON_INTERPRET=0)
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def cuda():
-    if P.INTERPRETED:
-        pytest.skip("GPU kernel tests need TRITON_INTERPRET=0")
-    return torch.device("cuda")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gpu_qwen7b_layer(cuda, src_dtype):
