@@ -108,7 +108,7 @@ class RandomSource:
                 return t.fill_(0.0 if name.endswith(".bias") else 1.0)
             return t.uniform_(-0.03, 0.03, generator=gen)
 
-        return checkpoint._LazyTensors(list(shapes), make)
+        return checkpoint.LazyTensors(list(shapes), make)
 
 
 def compose(model: str, engine: str, hf_dir: Path | None, extra):

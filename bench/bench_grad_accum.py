@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pack import (MODELS, ROOT, SWEEP, best_torch, copy_gbps, layer_layout, meta, print_table,  # noqa: E402
+from bench_pack import (MODELS, ROOT, SWEEP, best_torch, copy_gbps, layer_layout, print_table,  # noqa: E402
                         require_gpu, row, time_ms, write_rows)
+from engine.metrics import run_environment  # noqa: E402
 
 
 def bench_model(torch, model: str, copy_rate: float, info: dict, configs) -> list:
@@ -110,7 +111,7 @@ def main() -> None:
 
     configs = SWEEP if args.sweep else [(P.BLOCK_GPU, P.NUM_WARPS_GPU)]
     default = (P.BLOCK_GPU, P.NUM_WARPS_GPU, G.SR_ROWS_GPU, G.SR_NUM_WARPS_GPU)
-    info = meta()
+    info = run_environment()
     rate = copy_gbps()
     print(f"device-to-device copy: {rate:.0f} GB/s", flush=True)
     rows = []

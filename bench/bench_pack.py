@@ -18,7 +18,6 @@ master streamed in, the compute copy written out), fp32 -> fp32 with norms (fp32
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import sys
@@ -26,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from engine.metrics import run_environment  # noqa: E402
+
 MODELS = ("qwen7b", "qwen32b", "qwen72b")
 SWEEP = [(4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8), (16384, 16)]
 
@@ -50,15 +52,6 @@ def layer_layout(model: str):
         sys.exit(f"layer shapes come from the project config, which needs hydra-core + omegaconf ({e}); "
                  "see bench/README.md")
     return ModelSpec(make_cfg([f"model={model}"]).model).layer_units[0].layout
-
-
-def meta() -> dict:
-    import torch
-    import triton
-
-    from engine.metrics import git_sha
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "git_sha": git_sha(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
 
 
 def time_ms(fn) -> float:
@@ -171,7 +164,7 @@ def main() -> None:
 
     configs = SWEEP if args.sweep else [(P.BLOCK_GPU, P.NUM_WARPS_GPU)]
     default = (P.BLOCK_GPU, P.NUM_WARPS_GPU)
-    info = meta()
+    info = run_environment()
     rate = copy_gbps()
     print(f"device-to-device copy: {rate:.0f} GB/s", flush=True)
     rows = []

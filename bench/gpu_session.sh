@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call: carried wheels, then the named stages, each writing JSONL and logs under $OUT.
-#   bash bench/gpu_session.sh tests kernels checkpoint perf7b peers attention
+#   bash bench/gpu_session.sh tests kernels checkpoint housekeeping perf7b peers attention
+# Each stage's full log is kept under $OUT (gpu_tests.log; logs.tgz holds every engine job's log).
 # Needs .whl/ carried (hydra/omegaconf/antlr wheels; .whl/peers/ for DeepSpeed) and STREAMTRAIN_GIT_SHA set.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -10,12 +11,14 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests \
-             2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+    tests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 420 python3 -m pytest -v -s -m gpu -p no:cacheprovider tests \
+             > "$OUT/gpu_tests.log" 2>&1; tail -30 "$OUT/gpu_tests.log" ;;
     kernels) timeout 150 python3 bench/bench_pack.py --out "$OUT/pack.jsonl" 2>&1 | tail -12
              timeout 150 python3 bench/bench_grad_accum.py --out "$OUT/grad_accum.jsonl" 2>&1 | tail -12 ;;
     checkpoint) timeout 300 python3 bench/bench_checkpoint.py --model qwen7b --workdir /tmp/ckpt \
                   --out "$OUT/checkpoint.jsonl" hardware=h200 2>&1 | tail -12; rm -rf /tmp/ckpt ;;
+    housekeeping) timeout 500 python3 bench/bench_engine.py --grid housekeeping --out "$OUT/engine.jsonl" \
+                    --workdir /tmp/bench --timeout-s 240 2>&1 | tail -10 ;;
     perf7b) timeout 560 python3 bench/bench_engine.py --grid perf7b --out "$OUT/engine.jsonl" \
               --workdir /tmp/bench --timeout-s 200 2>&1 | tail -10 ;;
     attention) timeout 300 python3 bench/bench_attention.py --seq-lens 8192 32768 131072 \

@@ -1,21 +1,48 @@
-"""Typed configuration schema.
+"""Typed configuration schema and its checks (the command line that composes it: engine/cli.py).
 
-Every knob of a run is a field of one of the dataclasses below. They are registered with Hydra's ConfigStore
-as `base_config`, which `conf/config.yaml` puts first in its defaults list, so every group file (`conf/model/*.yaml`,
-`conf/train/*.yaml`, ...) is merged into a typed node: a mistyped key or a value of the wrong type fails while Hydra
-composes the config, naming the key. Checks that need more than a type (ranges, files that must exist, combinations)
-live in `validate`, which the trainer calls before it allocates anything.
+Every knob of a run is a field of one of the dataclasses below. They are registered with Hydra's ConfigStore as
+`base_config`, which `conf/config.yaml` puts first in its defaults list, so every group file (`conf/model/*.yaml`,
+`conf/train/*.yaml`, ...) is merged into a typed node: a mistyped key or a value of the wrong type in a group file
+fails while Hydra composes the config. Model fields mirror the names of HF `config.json` so a checkpoint's config can
+be compared and written back.
 
-Model fields mirror the names of HF `config.json` so a checkpoint's config can be compared and written back.
+Defaults live here and only here: the dataclass defaults are the values of the default job (`python train.py`, the
+tiny model on CPU), and a group file holds only what its option changes (a model's published sizes, a hardware
+profile's figures, `conf/train/throughput.yaml`'s benchmark recipe).
+
+Two functions refuse what the schema's types cannot:
+- `check_overrides` reads the command line before Hydra composes anything. It refuses a key the schema does not know
+  whatever its syntax (`+key=` and `++key=` add keys past a typed node's struct flag, so composing alone would let
+  them through), a renamed key, and a value (each value of a sweep) that does not convert to the field's type.
+- `validate` checks the composed config before the trainer allocates anything: keys again (for configs composed
+  in-process), then the range of every numeric field, the choice fields, files that must exist and combinations.
+Both raise ConfigError, whose message names the key, the value and what would be valid.
+
+`conf/` is found next to the `engine` package: in a source checkout it is the repository's `conf/`, and a wheel
+installs the same files as the data package `streamtrain_conf` (setup.cfg), so an installed `streamtrain-train`
+composes the same config as `python train.py` at the repository root.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+def _conf_dir() -> Path:
+    root = Path(__file__).resolve().parent.parent
+    installed = root / "streamtrain_conf"
+    return installed if installed.is_dir() else root / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 class ConfigError(ValueError):
@@ -24,13 +51,12 @@ class ConfigError(ValueError):
 
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+RENAMED = {"engine.checkpoint_tier": "engine.activation_tier"}
 
 
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    hf_repo: Optional[str] = None
-    architectures: List[str] = field(default_factory=list)
     model_type: str = MISSING
     hidden_size: int = MISSING
     intermediate_size: int = MISSING
@@ -58,11 +84,15 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
+    """The full-precision recipe: fp32 master weights and moments, bf16 autocast on GPU (fp32 on CPU), AdamW,
+    global-norm clipping, linear warmup then cosine decay. Sized so the default tiny job trains in minutes on 2
+    cores."""
+
+    steps: int = 150
     seq_len: int = 256
-    micro_batch_size: int = 8
+    micro_batch_size: int = 16
     grad_accum: int = 1  # micro-batches per optimizer step
-    lr: float = 2e-3
+    lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20
     weight_decay: float = 0.1  # applied to matrices (2-D parameters) only
@@ -72,10 +102,10 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # global-norm clipping; 0 disables it
     precision: str = "fp32_master"  # fp32 master weights and fp32 Adam moments
     compute_dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    activation_checkpointing: bool = True
+    activation_checkpointing: bool = True  # engine=reference only: the stream engine always recomputes
     compile: str = "auto"  # torch.compile the layer and loss templates: auto (on CUDA) | on | off
     log_every: int = 1
-    val_every: int = 100  # 0: validate only at the end
+    val_every: int = 25  # 0: validate only at the end
     val_batches: int = 8
     checkpoint_every: int = 0  # save the training state every N steps and at the end; 0: only on a signal/stop
     keep_checkpoints: int = 3  # complete checkpoints kept (oldest removed after a save); 0 keeps all
@@ -89,6 +119,8 @@ class TrainConfig:
 
 @dataclass
 class HardwareConfig:
+    """Figures of 0 are unknown: no GPU memory cap, no MFU, no step-time prediction."""
+
     name: str = MISSING
     device: str = "auto"  # auto | cpu | cuda
     gpu_mem_gib: float = 0.0  # usable GPU memory; a cap below the card's makes the engine behave like a smaller GPU
@@ -96,7 +128,7 @@ class HardwareConfig:
     peak_fp32_tflops: float = 0.0  # the MFU denominator when computing in fp32 (CPU runs)
     h2d_gbps: float = 0.0  # measured pinned host->device bandwidth
     d2h_gbps: float = 0.0
-    host_mem_gib: float = 0.0  # host RAM the run may use
+    host_mem_gib: float = 0.0  # host RAM the run may use; 0: the machine's MemTotal
     cpu_adam_gparams_per_s: float = 0.0  # fused CPU AdamW throughput
     achieved_tflops: float = 0.0  # what the engine's layer matmuls sustain (measured); the planner's time model
 
@@ -125,7 +157,7 @@ class EngineConfig:
     name: str = MISSING  # reference | stream
     slots: int = 2  # stream: GPU layer slots in the ring
     grads_tier: str = "auto"  # stream: where full gradients wait for the global norm: auto | gpu | host
-    checkpoint_tier: str = "auto"  # stream: where layer-input checkpoints live: auto | gpu | host
+    activation_tier: str = "auto"  # stream: where layer-input activations wait for the backward: auto | gpu | host
     cache_weights: str = "auto"  # stream: keep a layer's compute-dtype weights on the GPU from forward to backward
     # stream: how many leading units (embedding, layer 1, ...) keep optimizer state on the GPU and update there;
     # -1: as many as the planner's time model needs so the host AdamW never stalls the forward
@@ -151,51 +183,252 @@ def register() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Keys
+
+
+def _unknown_key(path: str, section: type, prefix: str) -> ConfigError:
+    if path in RENAMED:
+        return ConfigError(f"{path} was renamed {RENAMED[path]}")
+    valid = ", ".join(sorted(f.name for f in fields(section)))
+    if prefix:
+        return ConfigError(f"{path} is not a config key; valid keys of {prefix.rstrip('.')}: {valid}")
+    groups = ", ".join(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_")))
+    return ConfigError(f"{path} is not a config key or config group; valid top-level keys: {valid}; "
+                       f"config groups: {groups}")
+
+
+def schema_field(path: str) -> Any:
+    """The type of the schema field at the dotted `path`; ConfigError if the schema has no such key. Below a field
+    that holds a container (rope_scaling, tags) any key is accepted: validate checks the contents."""
+    node: Any = Config
+    parts = path.split(".")
+    for i, name in enumerate(parts):
+        prefix = ".".join(parts[:i]) + "." if i else ""
+        if not is_dataclass(node):
+            if node is Any or typing.get_origin(node) in (list, dict):
+                return node
+            raise ConfigError(f"{path} is not a config key: {prefix.rstrip('.')} holds {_describe(node)}, "
+                              "not a section")
+        hints = typing.get_type_hints(node)
+        if name not in hints:
+            raise _unknown_key(".".join(parts[:i + 1]), node, prefix)
+        node = hints[name]
+    return node
+
+
+def _describe(tp: Any) -> str:
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    if tp in words:
+        return words[tp]
+    if typing.get_origin(tp) is typing.Union:
+        return f"{_describe(next(a for a in typing.get_args(tp) if a is not type(None)))} or null"
+    if typing.get_origin(tp) is list:
+        return "a list, like [a, b]"
+    return "a value"
+
+
+def _check_keys(node: DictConfig, section: type, prefix: str = "") -> None:
+    hints = typing.get_type_hints(section)
+    for key in node:
+        if key not in hints:
+            raise _unknown_key(f"{prefix}{key}", section, prefix)
+        if is_dataclass(hints[key]):
+            _check_keys(node[key], hints[key], f"{prefix}{key}.")
+    for key in hints:
+        if OmegaConf.is_missing(node, key):
+            group = prefix.rstrip(".") or key
+            raise ConfigError(f"{prefix}{key} is not set; pick a config group option ({group}=<option>, one of the "
+                              f"files in conf/{group}/) or set {prefix}{key}=<value>")
+
+
+def check_overrides(overrides: Iterable[str], conf_dirs: Iterable[Path] = (CONF_DIR,)) -> None:
+    """Refuse command-line overrides that name no schema key, name a renamed key, or give a value (each value of a
+    sweep) that the field's type does not accept. Config group choices (`model=qwen7b`, `+experiment=...`) and
+    Hydra's own `hydra.*` keys are left to Hydra, which lists a group's options when one does not exist."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf.errors import OmegaConfBaseException
+
+    parser = OverridesParser.create()
+    typed = OmegaConf.structured(Config)
+    group_dirs = list(conf_dirs)
+    for override in parser.parse_overrides(list(overrides)):
+        key = override.key_or_group
+        if override.is_hydra_override() or override.package is not None \
+                or any((d / key).is_dir() for d in group_dirs):
+            continue
+        schema_field(key)
+        if override.is_delete():
+            continue
+        if not override.is_sweep_override():
+            values = [(override.get_value_element_as_str(), override.value())]
+        elif override.is_discrete_sweep():
+            values = [(text, parser.parse_override(f"{key}={text}").value())
+                      for text in override.sweep_string_iterator()]
+        else:
+            continue  # an interval sweep's values exist only once a sweeper plugin draws them
+        for text, value in values:
+            try:
+                OmegaConf.update(typed, key, value, merge=True)
+            except OmegaConfBaseException as err:
+                raise ConfigError(f"{key}={text} is not valid: {key} takes {_describe(schema_field(key))}") from err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Values
+
+
 def _choice(key: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(map(str, allowed))}")
 
 
-def _positive(key: str, value: Any, minimum: int = 1) -> None:
+def _positive(key: str, value: int, minimum: int = 1) -> None:
     if value < minimum:
         raise ConfigError(f"{key}={value} must be >= {minimum}")
 
 
+def _real(key: str, value: float, low: float, high: float = math.inf, *, low_open: bool = False,
+          high_open: bool = False, why: str = "") -> None:
+    """A finite number within the interval (low_open/high_open: that bound excluded)."""
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (math.isfinite(value) and above and below):
+        if high == math.inf:
+            interval = f"{'>' if low_open else '>='} {low:g}"
+        else:
+            interval = f"within {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ConfigError(f"{key}={value} must be a finite number {interval}{why}")
+
+
+def _name(key: str, value: Optional[str], optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not value or not value.strip():
+        raise ConfigError(f"{key}={value!r} must be a non-empty string{' or null' if optional else ''}")
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks that need more than types. Raises ConfigError naming the key; allocates nothing."""
-    m, t, d = cfg.model, cfg.train, cfg.data
+    _check_keys(cfg, Config)
+    _validate_model(cfg)
+    _validate_train(cfg)
+    _validate_hardware(cfg)
+
+    d = cfg.data
+    _choice("data.name", d.name, ("stdlib", "memmap", "synthetic"))
+    if d.name == "memmap":
+        if not d.path:
+            raise ConfigError("data=memmap needs data.path=<tokens .bin written by `python -m engine.data prepare`>")
+        if not os.path.isfile(d.path):
+            raise ConfigError(f"data.path={d.path!r}: no such file; write it with `python -m engine.data prepare`")
+    elif d.path is not None:
+        raise ConfigError(f"data.path={d.path!r} is read by data=memmap only; got data={d.name}")
+    _real("data.val_fraction", d.val_fraction, 0, 1, low_open=True, high_open=True)
+    if d.vocab_size is not None:
+        _positive("data.vocab_size", d.vocab_size)
+
+    lg = cfg.logger
+    _choice("logger.name", lg.name, ("wandb", "none"))
+    _name("logger.project", lg.project)
+    _name("logger.entity", lg.entity, optional=True)
+    _choice("logger.mode", lg.mode, ("offline", "online", "disabled"))
+    _name("logger.group", lg.group, optional=True)
+    for tag in lg.tags:
+        if not tag or len(tag) > 64:
+            raise ConfigError(f"logger.tags has {tag!r}; a W&B tag is 1 to 64 characters")
+    _choice("logger.progress", lg.progress, ("auto", "bar", "lines"))
+
+    e = cfg.engine
+    _choice("engine.name", e.name, ("reference", "stream"))
+    _positive("engine.slots", e.slots, 2)
+    for key in ("grads_tier", "activation_tier"):
+        _choice(f"engine.{key}", e[key], ("auto", "gpu", "host"))
+    _choice("engine.cache_weights", e.cache_weights, ("auto", "on", "off"))
+    _positive("engine.device_optimizer_units", e.device_optimizer_units, -1)
+    if e.name == "stream" and not cfg.train.activation_checkpointing:
+        raise ConfigError("train.activation_checkpointing=false does not apply to engine=stream, which always keeps "
+                          "layer inputs and recomputes each layer in the backward; engine=reference honours false")
+
+    if not 0 <= cfg.seed < 2**63:
+        raise ConfigError(f"seed={cfg.seed} must be within [0, 2**63)")
+
+
+def _validate_model(cfg: DictConfig) -> None:
+    m = cfg.model
+    _name("model.name", m.name)
     _choice("model.model_type", m.model_type, MODEL_TYPES)
     family = {"qwen2": (True, False), "qwen3": (False, True), "llama": (False, False)}[m.model_type]
     if (m.qkv_bias, m.qk_norm) != family:
-        raise ConfigError(f"model.model_type={m.model_type} has qkv_bias={family[0]} and qk_norm={family[1]} in its "
-                          f"HF architecture; got qkv_bias={m.qkv_bias}, qk_norm={m.qk_norm}")
+        raise ConfigError(f"model.model_type={m.model_type} has model.qkv_bias={family[0]} and model.qk_norm="
+                          f"{family[1]} in its HF architecture; got model.qkv_bias={m.qkv_bias}, "
+                          f"model.qk_norm={m.qk_norm}")
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size"):
+                "num_key_value_heads", "vocab_size", "max_position_embeddings"):
         _positive(f"model.{key}", m[key])
     if m.num_attention_heads % m.num_key_value_heads:
         raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
                           f"model.num_key_value_heads={m.num_key_value_heads}")
-    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
-                          f"{m.num_attention_heads}; set model.head_dim explicitly")
-    if (m.head_dim or m.hidden_size // m.num_attention_heads) % 2:
-        raise ConfigError("model.head_dim must be even for rotary embeddings")
-    if m.rope_scaling is not None:
-        rs = m.rope_scaling
-        if not hasattr(rs, "get") or rs.get("rope_type") not in ("llama3", "default"):
-            raise ConfigError(f"model.rope_scaling={rs!r} is not supported; valid: null, {{rope_type: default}} or "
-                              f"{{rope_type: llama3, {', '.join(LLAMA3_KEYS)}}}")
-        missing = [k for k in LLAMA3_KEYS if rs.rope_type == "llama3" and k not in rs]
-        if missing:
-            raise ConfigError(f"model.rope_scaling (llama3) lacks {', '.join(missing)}")
+    if m.head_dim is None:
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                              f"{m.num_attention_heads}; set model.head_dim explicitly")
+        derived = m.hidden_size // m.num_attention_heads
+        if derived % 2:
+            raise ConfigError(f"model.hidden_size / model.num_attention_heads = {derived} is odd; rotary embeddings "
+                              "need an even head_dim (set model.head_dim)")
+    elif m.head_dim < 2 or m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be an even integer >= 2 (rotary embeddings) or null")
+    _real("model.rope_theta", m.rope_theta, 0, low_open=True)
+    _validate_rope_scaling(m.rope_scaling)
+    _real("model.rms_norm_eps", m.rms_norm_eps, 0, low_open=True)
     _choice("model.hidden_act", m.hidden_act, ("silu",))
+    for key in ("bos_token_id", "eos_token_id"):
+        if m[key] is not None and not 0 <= m[key] < m.vocab_size:
+            raise ConfigError(f"model.{key}={m[key]} must be a token id within [0, model.vocab_size={m.vocab_size}) "
+                              "or null")
+    if m.expected_params is not None:
+        _positive("model.expected_params", m.expected_params)
     if m.init != "random":
         if not m.init.startswith("hf:") or len(m.init) == 3:
             raise ConfigError(f"model.init={m.init!r} is not valid; use 'random' or 'hf:<checkpoint dir>'")
         hf_dir = os.path.expanduser(m.init[3:])
         if not os.path.isfile(os.path.join(hf_dir, "config.json")):
             raise ConfigError(f"model.init={m.init!r}: {hf_dir} is not an HF checkpoint directory (no config.json)")
+    _real("model.init_std", m.init_std, 0, low_open=True)
 
+
+def _validate_rope_scaling(rs: Any) -> None:
+    if rs is None:
+        return
+    valid = f"null, {{rope_type: default}} or {{rope_type: llama3, {', '.join(LLAMA3_KEYS)}}}"
+    if not isinstance(rs, DictConfig) or rs.get("rope_type") not in ("llama3", "default"):
+        raise ConfigError(f"model.rope_scaling={rs!r} is not supported; valid: {valid}")
+    allowed = {"rope_type", *LLAMA3_KEYS} if rs.rope_type == "llama3" else {"rope_type"}
+    extra = sorted(set(rs.keys()) - allowed)
+    if extra:
+        raise ConfigError(f"model.rope_scaling has {', '.join(extra)}, which rope_type={rs.rope_type} does not take; "
+                          f"valid: {valid}")
+    if rs.rope_type == "default":
+        return
+    missing = [k for k in LLAMA3_KEYS if k not in rs]
+    if missing:
+        raise ConfigError(f"model.rope_scaling (llama3) lacks {', '.join(missing)}")
+    for key in LLAMA3_KEYS:
+        if isinstance(rs[key], bool) or not isinstance(rs[key], (int, float)):
+            raise ConfigError(f"model.rope_scaling.{key}={rs[key]!r} must be a number")
+    _real("model.rope_scaling.factor", rs.factor, 1)
+    _real("model.rope_scaling.low_freq_factor", rs.low_freq_factor, 0, low_open=True)
+    _real("model.rope_scaling.high_freq_factor", rs.high_freq_factor, rs.low_freq_factor, low_open=True,
+          why=" (above low_freq_factor)")
+    if not isinstance(rs.original_max_position_embeddings, int):
+        raise ConfigError(f"model.rope_scaling.original_max_position_embeddings={rs.original_max_position_embeddings}"
+                          " must be an integer")
+    _positive("model.rope_scaling.original_max_position_embeddings", rs.original_max_position_embeddings)
+
+
+def _validate_train(cfg: DictConfig) -> None:
+    m, t = cfg.model, cfg.train
     _positive("train.steps", t.steps, 0)
     _positive("train.seq_len", t.seq_len)
     _positive("train.micro_batch_size", t.micro_batch_size)
@@ -204,12 +437,13 @@ def validate(cfg: DictConfig) -> None:
     _positive("train.val_every", t.val_every, 0)
     _positive("train.val_batches", t.val_batches)
     _positive("train.warmup_steps", t.warmup_steps, 0)
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr={t.lr} must be > 0")
-    if not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be within [0, 1]")
-    if t.max_grad_norm < 0:
-        raise ConfigError(f"train.max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
+    _real("train.lr", t.lr, 0, low_open=True)
+    _real("train.min_lr_ratio", t.min_lr_ratio, 0, 1)
+    _real("train.weight_decay", t.weight_decay, 0)
+    _real("train.beta1", t.beta1, 0, 1, high_open=True)
+    _real("train.beta2", t.beta2, 0, 1, high_open=True)
+    _real("train.eps", t.eps, 0, low_open=True)
+    _real("train.max_grad_norm", t.max_grad_norm, 0, why=" (0 disables clipping)")
     if t.seq_len > m.max_position_embeddings:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
                           f"{m.max_position_embeddings} of model={m.name}; raise model.max_position_embeddings to "
@@ -220,30 +454,41 @@ def validate(cfg: DictConfig) -> None:
     if t.resume not in ("none", "auto") and not os.path.isdir(os.path.expanduser(t.resume)):
         raise ConfigError(f"train.resume={t.resume!r} is not valid; use none, auto, or an existing checkpoint "
                           "directory (a run dir or its checkpoints/step_<N>)")
+    _name("train.checkpoint_dir", t.checkpoint_dir, optional=True)
+    if t.checkpoint_dir and os.path.exists(os.path.expanduser(t.checkpoint_dir)) \
+            and not os.path.isdir(os.path.expanduser(t.checkpoint_dir)):
+        raise ConfigError(f"train.checkpoint_dir={t.checkpoint_dir!r} is a file; it must be a directory (created "
+                          "when missing) or null for <run dir>/checkpoints")
     for key in ("checkpoint_every", "keep_checkpoints", "stop_at", "max_consecutive_skips"):
         _positive(f"train.{key}", t[key], 0)
     _choice("train.export_dtype", t.export_dtype, ("bf16", "fp32"))
 
-    _choice("data.name", d.name, ("stdlib", "memmap", "synthetic"))
-    if d.name == "memmap":
-        if not d.path:
-            raise ConfigError("data=memmap needs data.path=<tokens .bin written by `python -m engine.data prepare`>")
-        if not os.path.isfile(d.path):
-            raise ConfigError(f"data.path={d.path!r}: no such file; write it with `python -m engine.data prepare`")
-    if not 0 < d.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={d.val_fraction} must be within (0, 1)")
 
-    _choice("logger.name", cfg.logger.name, ("wandb", "none"))
-    _choice("logger.mode", cfg.logger.mode, ("offline", "online", "disabled"))
-    _choice("logger.progress", cfg.logger.progress, ("auto", "bar", "lines"))
-    _choice("engine.name", cfg.engine.name, ("reference", "stream"))
-    _choice("hardware.device", cfg.hardware.device, ("auto", "cpu", "cuda"))
-    e = cfg.engine
-    _positive("engine.slots", e.slots, 2)
-    for key in ("grads_tier", "checkpoint_tier"):
-        _choice(f"engine.{key}", e[key], ("auto", "gpu", "host"))
-    _choice("engine.cache_weights", e.cache_weights, ("auto", "on", "off"))
-    _positive("engine.device_optimizer_units", e.device_optimizer_units, -1)
+HARDWARE_FIGURES = ("gpu_mem_gib", "peak_bf16_tflops", "peak_fp32_tflops", "h2d_gbps", "d2h_gbps", "host_mem_gib",
+                    "cpu_adam_gparams_per_s", "achieved_tflops")
+
+
+def _validate_hardware(cfg: DictConfig) -> None:
+    hw = cfg.hardware
+    _name("hardware.name", hw.name)
+    _choice("hardware.device", hw.device, ("auto", "cpu", "cuda"))
+    for key in HARDWARE_FIGURES:
+        _real(f"hardware.{key}", hw[key], 0, why=" (0: unknown)")
+    if hw.achieved_tflops > 0:
+        for key in ("h2d_gbps", "d2h_gbps", "cpu_adam_gparams_per_s"):
+            _real(f"hardware.{key}", hw[key], 0, low_open=True,
+                  why=" when hardware.achieved_tflops > 0: the planner's step-time model divides by it (set it, or "
+                      "hardware.achieved_tflops=0 for no prediction)")
+    if hw.device == "cuda" and cfg.plan:
+        _real("hardware.gpu_mem_gib", hw.gpu_mem_gib, 0, low_open=True,
+              why=f" for plan=true with hardware={hw.name}: it is the GPU memory planned for")
+    if hw.device == "cuda" and not cfg.plan:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"hardware={hw.name} runs on CUDA (hardware.device=cuda) but torch sees no CUDA device "
+                              f"(torch {torch.__version__}); train on this machine with hardware=cpu or hardware=auto, "
+                              f"or add plan=true to print the memory plan for {hw.name} without a GPU")
 
 
 def to_plain(cfg: DictConfig) -> dict:

@@ -10,7 +10,10 @@ Three sources, all served through one `TokenData` interface:
 - memmap: a flat file of little-endian uint32 ids written by `python -m engine.data prepare` with an HF tokenizer,
   plus a JSON sidecar `<path>.json`. Opened with np.memmap, so a corpus larger than RAM costs only page cache; the
   fingerprint is the one prepare computed (re-hashing gigabytes at every start would cost more than it protects
-  against, so loading checks the byte size against the sidecar instead).
+  against, so loading checks the byte size against the sidecar instead). Every id is checked against the model's
+  vocabulary when the file is opened (one max over the file, at memory-bandwidth speed, about 1 s per 4 GB of ids
+  from page cache): an id at or past `model.vocab_size` would otherwise crash the embedding lookup mid-run. The
+  largest id found is part of the fingerprint, so a checkpoint records which ids its data held.
 - synthetic: uniform random ids, generated per sequence from a seeded generator; nothing is held in memory. For
   exercising the engine at a given vocab without a corpus; the loss should sit at ln(vocab).
 
@@ -41,6 +44,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
+
+from engine.fileio import atomic_write, atomic_write_json, sha256_file
 
 SOURCES = ("stdlib", "memmap", "synthetic")
 SPLITS = ("train", "val")
@@ -259,12 +264,31 @@ def _load_memmap(data_cfg, seq_len: int, seed: int, model_vocab_size: int) -> Co
                         "the pair is inconsistent (truncated or overwritten), rewrite it with prepare")
     if n_tokens == 0:
         raise DataError(f"{path}: holds no tokens; prepare it from non-empty text")
+    tokens = np.memmap(path, dtype="<u4", mode="r")
+    max_id = _max_token_id(tokens, path)
+    if max_id >= model_vocab_size or max_id >= vocab_size:
+        first = int(np.argmax(tokens >= min(model_vocab_size, vocab_size)))
+        raise DataError(f"{path}: token id {max_id} (first bad one at token {first:,}) is out of range: the sidecar "
+                        f"says vocab_size={vocab_size} and model.vocab_size={model_vocab_size}, so ids must be below "
+                        f"{min(model_vocab_size, vocab_size)}; the file was not written by this tokenizer, or is "
+                        "corrupt; rewrite it with " + _PREPARE_HINT.format(path=path))
     description = dict(source="memmap", path=os.path.abspath(path), sidecar=os.path.abspath(side),
                        tokenizer=meta.get("tokenizer"), tokenizer_sha256=meta.get("tokenizer_sha256"),
-                       separator=meta.get("separator"), sources=meta.get("sources"))
-    return CorpusData(np.memmap(path, dtype="<u4", mode="r"), seq_len=seq_len, seed=seed,
-                      val_fraction=data_cfg.val_fraction, vocab_size=vocab_size, fingerprint=fingerprint,
-                      description=description)
+                       separator=meta.get("separator"), sources=meta.get("sources"), max_token_id=max_id)
+    return CorpusData(tokens, seq_len=seq_len, seed=seed, val_fraction=data_cfg.val_fraction, vocab_size=vocab_size,
+                      fingerprint=f"{fingerprint}-max{max_id}", description=description)
+
+
+def _max_token_id(tokens: np.ndarray, path: str, chunk_tokens: int = 256 << 20, progress_every_s: float = 5.0) -> int:
+    """The largest id of a token file, read in chunks (bounded memory), with progress lines on a long scan."""
+    max_id, t0, last_report = 0, time.monotonic(), time.monotonic()
+    for start in range(0, len(tokens), chunk_tokens):
+        max_id = max(max_id, int(tokens[start:start + chunk_tokens].max()))
+        if time.monotonic() - last_report >= progress_every_s:
+            print(f"{path}: checking token ids, {start + chunk_tokens:,}/{len(tokens):,} "
+                  f"({time.monotonic() - t0:.0f}s)", file=sys.stderr, flush=True)
+            last_report = time.monotonic()
+    return max_id
 
 
 def _load_synthetic(data_cfg, seq_len: int, seed: int, model_vocab_size: int) -> SyntheticData:
@@ -322,32 +346,6 @@ def find_separator(tokenizer) -> Optional[Tuple[str, int]]:
         if name in specials:
             return name, specials[name]
     return None
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _write_atomic(path: str, write) -> None:
-    """write(f) into <path>.tmp, fsync, then rename over path, so a crash leaves either the old file or the new."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def prepare(tokenizer_path: str, out_path: str, inputs: List[str], batch_bytes: int = 16 << 20,
@@ -417,14 +415,13 @@ def prepare(tokenizer_path: str, out_path: str, inputs: List[str], batch_bytes: 
     # A sidecar from an earlier run must not sit next to the new bin even for a moment.
     if os.path.exists(side):
         os.remove(side)
-    _write_atomic(out_path, encode_all)
+    atomic_write(out_path, encode_all)
     meta = dict(vocab_size=vocab_size, n_tokens=stats["tokens"], dtype="uint32-le",
-                tokenizer=os.path.abspath(tokenizer_path), tokenizer_sha256=_sha256_file(tokenizer_path),
+                tokenizer=os.path.abspath(tokenizer_path), tokenizer_sha256=sha256_file(tokenizer_path),
                 separator=dict(token=separator[0], id=separator[1]) if separator else None,
                 sources=[os.path.abspath(p) for p in inputs], n_files=len(files), n_text_bytes=stats["bytes"],
                 n_files_with_invalid_utf8=stats["undecodable"], fingerprint=digest.hexdigest()[:16])
-    _write_atomic(side, lambda f: f.write(json.dumps(meta, indent=2).encode() + b"\n"))
-    _fsync_dir(out_path)
+    atomic_write_json(side, meta, indent=2)
     report(final=True)
     return meta
 

@@ -82,10 +82,3 @@ class Device:
 
     def empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
-
-    def pinned_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Page-locked host memory when CUDA is present (needed for async copies), plain memory otherwise."""
-        return torch.empty(numel, dtype=dtype, pin_memory=self.cuda)
-
-    def peak_bytes(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0

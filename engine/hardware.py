@@ -1,15 +1,16 @@
 """Hardware profiles: `hardware=auto` picks the profile of the GPU torch sees (or `cpu`), and a profile whose
 `gpu_mem_gib` is below the card's capacity caps this process's GPU memory, so a big card can stand in for a smaller
-one (`hardware=rtx3090` on an H200 behaves like a 24 GB card for every allocation the caching allocator makes)."""
+one (`hardware=rtx3090` on an H200 behaves like a 24 GB card for every allocation the caching allocator makes).
+Profiles are the files of the `hardware` config group, read from the one conf directory (engine.config.CONF_DIR)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "hardware"
+from engine.config import CONF_DIR, ConfigError
+
+PROFILE_DIR = CONF_DIR / "hardware"
 GPU_PROFILES = {"H200": "h200", "GH200": "gh200", "RTX 3090": "rtx3090", "RTX A6000": "a6000"}
 
 
@@ -20,15 +21,15 @@ def detect_profile() -> str:
     for marker in sorted(GPU_PROFILES, key=len, reverse=True):
         if marker in name:
             return GPU_PROFILES[marker]
-    raise RuntimeError(f"hardware=auto: no profile in {CONF_DIR} for GPU {name!r}; pass hardware=<name> "
-                       f"(one of {sorted(p.stem for p in CONF_DIR.glob('*.yaml') if p.stem != 'auto')})")
+    raise ConfigError(f"hardware=auto: no profile in {PROFILE_DIR} for GPU {name!r}; pass hardware=<name> "
+                      f"(one of {', '.join(sorted(p.stem for p in PROFILE_DIR.glob('*.yaml') if p.stem != 'auto'))})")
 
 
 def resolve(cfg: DictConfig) -> None:
     """Replace `hardware=auto` by the detected profile, in place."""
     if cfg.hardware.name != "auto":
         return
-    profile = OmegaConf.load(CONF_DIR / f"{detect_profile()}.yaml")
+    profile = OmegaConf.load(PROFILE_DIR / f"{detect_profile()}.yaml")
     with open_dict(cfg):
         cfg.hardware = OmegaConf.merge(cfg.hardware, profile)
 
@@ -49,5 +50,5 @@ def peak_tflops(hw, device: torch.device, dtype: torch.dtype) -> tuple[float, st
     name = hw.name
     if device.type == "cuda" and detect_profile() != hw.name:
         name = detect_profile()
-        return float(OmegaConf.load(CONF_DIR / f"{name}.yaml")[field]), name
+        return float(OmegaConf.load(PROFILE_DIR / f"{name}.yaml")[field]), name
     return float(hw[field]), name

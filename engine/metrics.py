@@ -3,7 +3,11 @@
 Every run writes two files into its run directory, whatever the logger backend:
 
 * `metrics.jsonl`: one JSON object per line, one line per logged step (`log_step`) or validation (`log_val`),
-  flushed as it is written so a crashed or killed run keeps everything up to its last step.
+  flushed as it is written so a crashed or killed run keeps everything up to its last step. A run that starts at
+  step 0 starts a new file (an existing one, from an earlier run into the same directory, is renamed to
+  `metrics.<time>.jsonl` and the rename is printed); a resumed run keeps the records up to its start step and drops
+  later ones, written by the process that died after its last checkpoint. Either way the file reads as one run.
+* `train.log`: every line the run prints (progress, checkpoints, the run dir), as printed.
 * `summary.json`: written once by `MetricsLogger.close` (atomically, through a temporary file and `os.replace`):
   final and initial losses, medians of the throughput figures, peak memory, the git revision and the config.
 
@@ -58,6 +62,7 @@ per Python process and adds a few seconds to the first `wandb.init`.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import os
@@ -66,9 +71,11 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from engine.fileio import atomic_write, atomic_write_json
 
 GIB = 2**30
 
@@ -102,15 +109,19 @@ def count_params(model_cfg) -> int:
 
 
 def model_flops_per_token(model_cfg, seq_len: int) -> Dict[str, int]:
-    """Training FLOPs per token; the formulas are in the module docstring."""
+    """Training FLOPs per token; the formulas are in the module docstring. The `*_forward_*` entries split one
+    forward pass by unit, for the planner's time model: training = 3 x forward (the backward is twice the forward)."""
     h, inter, n_layers, nh, kv, hd, vocab = _dims(model_cfg)
-    matmul_params = n_layers * (h * nh * hd + 2 * h * kv * hd + nh * hd * h + 3 * h * inter) + vocab * h
-    attn_flops = 6 * n_layers * nh * hd * seq_len
+    layer_matmul_params = h * nh * hd + 2 * h * kv * hd + nh * hd * h + 3 * h * inter
+    matmul_params = n_layers * layer_matmul_params + vocab * h
+    layer_attn_forward = 2 * nh * hd * seq_len  # causal: QK^T and PV over seq_len / 2 keys on average
     return {
         "matmul_params": matmul_params,
-        "train_flops_per_token": 6 * matmul_params + attn_flops,
-        "attn_flops_per_token": attn_flops,
+        "train_flops_per_token": 6 * matmul_params + 3 * n_layers * layer_attn_forward,
+        "attn_flops_per_token": 3 * n_layers * layer_attn_forward,
         "6n_flops_per_token": 6 * count_params(model_cfg),
+        "layer_forward_flops_per_token": 2 * layer_matmul_params + layer_attn_forward,
+        "head_forward_flops_per_token": 2 * vocab * h,
     }
 
 
@@ -157,7 +168,8 @@ def gpu_peak_mem_gib() -> float:
 
 
 def run_environment() -> dict:
-    """GPU name, torch / triton versions and git revision: the fields every benchmark row carries."""
+    """Where and when a figure was measured: GPU name, torch / triton / Python versions, CPU count, git revision and
+    UTC time. Every benchmark row carries these fields; this is their one source."""
     try:
         import triton
 
@@ -165,7 +177,9 @@ def run_environment() -> dict:
     except ImportError:
         triton_version = None
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "git_sha": git_sha()}
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "python": sys.version.split()[0],
+            "cpus": os.cpu_count(), "git_sha": git_sha(),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
 
 
 def git_sha() -> str:
@@ -217,14 +231,6 @@ def _sanitize(record: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def _hydra_job() -> Tuple[Optional[str], Optional[str]]:
     """(sweep dir name, job name) inside a Hydra multirun, else (None, None)."""
     try:
@@ -242,6 +248,32 @@ def _hydra_job() -> Tuple[Optional[str], Optional[str]]:
     return Path(hc.sweep.dir).name, name
 
 
+def _start_metrics_file(path: Path, start_step: int, log: Callable[[str], None]) -> None:
+    """Make `path` hold exactly the records of steps <= start_step of this run (see the module docstring)."""
+    if not path.exists():
+        return
+    if start_step == 0:
+        stamp = dt.datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y%m%d-%H%M%S")
+        aside, n = path.with_name(f"metrics.{stamp}.jsonl"), 1
+        while aside.exists():
+            aside, n = path.with_name(f"metrics.{stamp}-{n}.jsonl"), n + 1
+        os.replace(path, aside)
+        log(f"{path}: from an earlier run in this directory; moved to {aside.name}, this run starts a new one")
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) > start_step:
+                continue
+        except ValueError:  # a line cut short by the crash
+            continue
+        kept.append(line)
+    if len(kept) != len(lines):
+        atomic_write(path, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
+        log(f"{path}: dropped {len(lines) - len(kept)} records after step {start_step}")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The logger
 
@@ -254,7 +286,7 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: str | Path, config: dict, model_cfg, seq_len: int, peak_tflops: float, logger_cfg,
-                 total_steps: int):
+                 total_steps: int, start_step: int = 0, log: Callable[[str], None] = print):
         if logger_cfg.name not in ("wandb", "none"):
             raise ValueError(f"logger.name={logger_cfg.name!r}: expected 'wandb' or 'none'")
         if logger_cfg.progress not in ("auto", "bar", "lines"):
@@ -283,6 +315,8 @@ class MetricsLogger:
         self.peak_gpu_mem_gib = 0.0
         self.summary: Optional[Dict[str, Any]] = None
 
+        self._log = log
+        _start_metrics_file(self.run_dir / "metrics.jsonl", start_step, log)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self._run = None
         self._bar = None
@@ -318,7 +352,7 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.write(line)
         else:
-            print(line, flush=True)
+            self._log(line)
 
     def log_step(self, step: int, record: dict) -> dict:
         missing = [k for k in _REQUIRED_STEP_KEYS if k not in record]
@@ -403,7 +437,7 @@ class MetricsLogger:
         })
         self.summary = summary
         try:
-            _write_json_atomic(self.run_dir / "summary.json", summary)
+            atomic_write_json(self.run_dir / "summary.json", summary, indent=2)
             if self._run is not None:
                 self._run.summary.update({k: v for k, v in summary.items() if k != "config" and v is not None})
         finally:

@@ -1,13 +1,13 @@
 """The planner: where every byte of state lives, and how long a step should take, decided before allocating.
 
 Memory. For `engine=reference` everything sits on the compute device: fp32 master, gradient and two moments
-(16 B/param), one checkpoint per layer per micro-batch and one layer's working activations.
+(16 B/param), one kept layer input per layer per micro-batch and one layer's working activations.
 
 For `engine=stream` the host holds fp32 master, m and v (12 B/param). The GPU holds the fixed working set: the H2D
 staging buffer, the embedding and head slots, a ring of `engine.slots` layer slots, accumulators for the embedding,
 the head and two layers, the residual stream (and its gradient) of every micro-batch, and one layer's working
 activations. What is left of the GPU budget is spent in this order of benefit (DESIGN.md §4):
-1. layer-input checkpoints (else pinned host memory, paid for with PCIe traffic);
+1. layer-input activations kept for the recompute (else pinned host memory, paid for with PCIe traffic);
 2. full gradients waiting for the global norm, if the host could not hold them;
 3. the optimizer state of the leading units (embedding, layer 1, ...): their update runs on the GPU, which
    takes work off the host AdamW, the one thing that can stall the next forward; as many as the time model says
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
+
+from engine.metrics import model_flops_per_token
 
 GIB = 2**30
 HOST_CONTENTION = 0.72  # host AdamW rate while both PCIe directions stream, relative to alone (device.md)
@@ -56,16 +58,16 @@ class MemoryPlan:
         return sum(b for t, _, b in self.rows if t == tier)
 
     def problem(self) -> str:
-        """Why the plan does not fit, or "" when it does."""
-        for tier, limit in self.limits_gib.items():
-            if limit and self.total(tier) > limit * GIB:
-                alternatives = "a smaller model or other hardware"
-                if self.engine == "reference":
-                    alternatives += ", or engine=stream (state in host RAM)"
-                return (f"The plan needs {self.total(tier) / GIB:.1f} GiB of {tier} memory but the hardware config "
-                        f"allows {limit:.1f} GiB. Try fewer tokens per step (train.micro_batch_size, "
-                        f"train.grad_accum, train.seq_len), {alternatives}.")
-        return ""
+        """Why the plan does not fit (every tier that overflows), or "" when it does."""
+        over = [f"{self.total(tier) / GIB:.1f} GiB of {tier} memory where the hardware config allows {limit:.1f} GiB"
+                for tier, limit in self.limits_gib.items() if limit and self.total(tier) > limit * GIB]
+        if not over:
+            return ""
+        alternatives = "a smaller model or other hardware"
+        if self.engine == "reference":
+            alternatives += ", or engine=stream (state in host RAM)"
+        return (f"The plan needs {' and '.join(over)}. Try fewer tokens per step (train.micro_batch_size, "
+                f"train.grad_accum, train.seq_len), {alternatives}.")
 
     def table(self) -> str:
         lines = [f"memory plan (engine={self.engine})", f"{'tier':6} {'item':56} {'GiB':>10}"]
@@ -124,11 +126,10 @@ class _Shape:
         self.layer_cast = max(lay.cast_numel for lay in self.layouts[1:-1])
         self.act = (layer_activation_bytes_per_token(spec, self.compute_bytes) * self.mb_tokens
                     + loss_activation_bytes(spec, self.mb_tokens))
-        a = spec.arch
-        layer_matmul = sum(s.numel for s in spec.units[1].layout.specs if s.kind == "matmul")
-        attn = 2 * a.heads * a.head_dim * t.seq_len  # causal forward FLOPs per token per layer
-        self.layer_fwd_flops = (2 * layer_matmul + attn) * self.step_tokens
-        self.head_flops = 4 * 2 * a.vocab * a.hidden * self.step_tokens  # fwd, recompute, 2x backward
+        flops = model_flops_per_token(cfg.model, t.seq_len)
+        self.layer_fwd_flops = flops["layer_forward_flops_per_token"] * self.step_tokens
+        # the head runs forward twice (the step's forward and the fused loss's recompute) and backward once (2x)
+        self.head_flops = 4 * flops["head_forward_flops_per_token"] * self.step_tokens
 
     def slot_bytes(self, lay) -> int:
         return self.compute_bytes * lay.cast_numel + 4 * (lay.numel - lay.cast_numel)
@@ -143,7 +144,7 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     plan.add(tier, "fp32 master weights", 4 * n)
     plan.add(tier, "fp32 gradients", 4 * n)
     plan.add(tier, "fp32 Adam m + v", 8 * n)
-    plan.add(tier, "layer-input checkpoints (one micro-batch)",
+    plan.add(tier, "layer-input activations (one micro-batch)",
              (s.L if t.activation_checkpointing else 0) * 4 * s.h * s.mb_tokens)
     plan.add(tier, "working activations (one layer + loss chunk)", s.act * (1 if t.activation_checkpointing else s.L))
     if on_gpu and hw.achieved_tflops:
@@ -165,14 +166,14 @@ def predict_stream(spec, cfg, s: _Shape, placement: dict) -> Tuple[Dict[str, flo
     n_dev = placement["device_optimizer_units"]
     cached = placement["cache_weights"] == "on"
     grads_host = placement["grads_tier"] == "host"
-    ckpt_host = placement["checkpoint_tier"] == "host"
+    activations_host = placement["activation_tier"] == "host"
     units = range(len(s.layouts))
     streamed = [0 if u < n_dev else 4 * s.layouts[u].numel for u in units]  # fp32 master over PCIe
     compute = [0.0] * len(s.layouts)
     for u in range(1, s.L + 1):
         compute[u] = s.layer_fwd_flops / tf
-    ckpt_bytes = 4 * s.h * s.step_tokens  # one layer's inputs, all micro-batches
-    fwd_extra = ckpt_bytes / d2h if ckpt_host else 0.0
+    layer_input_bytes = 4 * s.h * s.step_tokens  # one layer's inputs, all micro-batches
+    fwd_extra = layer_input_bytes / d2h if activations_host else 0.0
 
     # the race: host update of unit u (in order, host units only) against the forward's need for it
     host_done, clock = [0.0] * len(s.layouts), 0.0
@@ -191,7 +192,7 @@ def predict_stream(spec, cfg, s: _Shape, placement: dict) -> Tuple[Dict[str, flo
     bwd_layer = max(3 * s.layer_fwd_flops / tf,
                     0.0 if cached else 4 * s.layer_numel / h2d,
                     4 * s.layer_numel / d2h if grads_host else 0.0,
-                    ckpt_bytes / h2d if ckpt_host else 0.0)
+                    layer_input_bytes / h2d if activations_host else 0.0)
     backward = s.L * bwd_layer
     host_total = sum(s.layouts[u].numel for u in units if u >= n_dev) / adam
     times = {"forward": t_fwd, "head": head, "backward": backward, "host_optimizer": host_total,
@@ -211,7 +212,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     compute_tier = "gpu" if on_gpu else "host"
     plan = MemoryPlan(engine="stream", limits_gib={"gpu": gpu_gib if on_gpu else 0.0, "host": host_gib})
 
-    from engine.stream import STAGING_ELEMS
+    from engine.streaming.slots import STAGING_ELEMS
 
     fixed = [
         ("H2D staging buffer (fp32)", 4 * min(STAGING_ELEMS, max(lay.cast_numel for lay in layouts))),
@@ -221,7 +222,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     ]
     ring_bytes = min(e.slots, L) * (s.compute_bytes * s.layer_cast + 4 * (s.layer_numel - s.layer_cast))
     side_grad_bytes = 4 * (layouts[0].numel + layouts[-1].numel + min(2, L) * s.layer_numel)
-    ckpt_bytes = L * 4 * s.h * s.step_tokens
+    activation_bytes = L * 4 * s.h * s.step_tokens
     grad_bytes = 4 * sum(lay.numel for lay in layouts)
     cache_bytes = sum(s.slot_bytes(lay) for lay in layouts[1:-1])
     margin_gib = 2.0 + 0.05 * gpu_gib if on_gpu else 0.0
@@ -229,7 +230,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
 
     placement: Dict[str, object] = {}
     if not on_gpu:  # one memory: explicit choices are honoured so CPU runs exercise every code path
-        placement = {"checkpoint_tier": "gpu" if e.checkpoint_tier == "gpu" else "host",
+        placement = {"activation_tier": "gpu" if e.activation_tier == "gpu" else "host",
                      "grads_tier": "gpu" if e.grads_tier == "gpu" else "host",
                      "cache_weights": "on" if e.cache_weights == "on" else "off",
                      "device_optimizer_units": max(0, e.device_optimizer_units)}
@@ -245,8 +246,8 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
             placement[key] = "gpu" if on else "host"
             return on
 
-        if not place("checkpoint_tier", ckpt_bytes, e.checkpoint_tier):
-            host_free -= ckpt_bytes
+        if not place("activation_tier", activation_bytes, e.activation_tier):
+            host_free -= activation_bytes
         grads_first = grad_bytes > host_free  # the host cannot hold them: they outrank everything below
         if grads_first:
             place("grads_tier", grad_bytes - side_grad_bytes, e.grads_tier)
@@ -280,8 +281,8 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     if n_dev:
         plan.add(compute_tier, f"fp32 master, Adam m + v: {n_dev} leading units updated on the GPU",
                  sum(state_bytes[:n_dev]))
-    plan.add(compute_tier if placement["checkpoint_tier"] == "gpu" else "host",
-             "layer-input checkpoints (all micro-batches)", ckpt_bytes)
+    plan.add(compute_tier if placement["activation_tier"] == "gpu" else "host",
+             "layer-input activations (all micro-batches)", activation_bytes)
     if placement["grads_tier"] == "gpu":
         plan.add(compute_tier, "fp32 gradients of every unit until the norm is known", grad_bytes)
         plan.add("host", "pinned gradient staging (2 x largest unit)",

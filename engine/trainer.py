@@ -7,7 +7,7 @@ built (an impossible one raises PlanError with the numbers). `plan=true` stops a
 Micro-batch j of step s is batch `s * grad_accum + j` of the training split, so the data position is a pure
 function of the step; validation always reads the first `val_batches` batches of the validation split.
 
-Checkpoints (engine/checkpoint.py has the format). A checkpoint to resume from (`train.resume`) is located and
+Checkpoints (engine/checkpoint/ has the format). A checkpoint to resume from (`train.resume`) is located and
 verified completely, and an HF checkpoint to start from (`model.init=hf:<dir>`) checked against the model config,
 before the engine allocates; after it is built, the state is copied in (resume wins over init). A resumed run
 continues at the saved step with the saved RNG states and counters; its metrics.jsonl keeps the records up to that
@@ -29,6 +29,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -64,13 +65,42 @@ def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute
         from engine.reference import ReferenceEngine
 
         return ReferenceEngine(spec, cfg, device, compute_dtype)
-    from engine.schedule import StreamEngine
+    from engine.streaming import StreamEngine
 
     return StreamEngine(spec, cfg, device, compute_dtype, plan)
 
 
+class RunLog:
+    """Prints a line and appends it to `<run dir>/train.log`. Lines printed before `open` (while the run can still
+    be refused) are held and written when it opens, so a run refused before it starts writes nothing."""
+
+    def __init__(self):
+        self._held: list[str] = []
+        self._file = None
+
+    def __call__(self, line: str) -> None:
+        print(line, flush=True)
+        if self._file is None:
+            self._held.append(line)
+        else:
+            self._file.write(line + "\n")
+
+    def open(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(run_dir / "train.log", "a", buffering=1)
+        for line in self._held:
+            self._file.write(line + "\n")
+        self._held = []
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: str | Path):
+        self.log = RunLog()
         hardware.resolve(cfg)
         validate(cfg)
         self.cfg, self.run_dir = cfg, Path(run_dir)
@@ -91,12 +121,14 @@ class Trainer:
         self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else self.run_dir / "checkpoints"
         self.fingerprint = checkpoint.run_fingerprint(cfg, self.data.fingerprint)
         # everything a checkpoint can be refused for is checked before the engine allocates
-        resume_from = checkpoint.find_resume(t.resume, self.ckpt_root)
+        resume_from = checkpoint.find_resume(t.resume, self.ckpt_root, log=self.log)
         restore = checkpoint.open_training_state(resume_from, self.spec, self.fingerprint) if resume_from else None
         hf = None
         hf_dir = checkpoint.hf_dir_of(cfg.model.init)
         if restore is None and hf_dir is not None:
             hf = checkpoint.open_hf(self.spec, hf_dir)
+        self.log.open(self.run_dir)  # nothing can refuse the run from here on
+        self.log(f"run dir: {self.run_dir}")
         torch.manual_seed(cfg.seed)  # and the host RNGs, so that their checkpointed states are reproducible too
         random.seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
@@ -110,11 +142,12 @@ class Trainer:
                 self.engine.skipped_steps = state.get("skipped_steps", 0)
                 checkpoint.set_rng_state(state["rng"])
                 self.resumed = state
-                print(f"resumed from {restore.path} at step {self.start_step}")
+                self.log(f"resumed from {restore.path} at step {self.start_step}")
             elif hf is not None:
-                checkpoint.import_hf(self.engine, hf)
+                checkpoint.import_hf(self.engine, hf, log=self.log)
         except BaseException:
             self.engine.close()
+            self.log.close()
             raise
         plain = to_plain(cfg)
         plain["data_description"] = self.data.description
@@ -122,12 +155,12 @@ class Trainer:
         plain["plan_placement"] = self.plan.placement
         peak, peak_profile = hardware.peak_tflops(cfg.hardware, self.device, self.compute_dtype)
         plain["mfu_peak"] = {"tflops": peak, "profile": peak_profile}
-        if self.resumed is not None:
-            _trim_metrics(self.run_dir / "metrics.jsonl", self.start_step)
         try:
-            self.metrics = MetricsLogger(self.run_dir, plain, cfg.model, t.seq_len, peak, cfg.logger, t.steps)
+            self.metrics = MetricsLogger(self.run_dir, plain, cfg.model, t.seq_len, peak, cfg.logger, t.steps,
+                                         start_step=self.start_step, log=self.log)
         except BaseException:
             self.engine.close()
+            self.log.close()
             raise
         if self.resumed is not None:
             self.metrics.tokens_total = self.resumed.get("tokens_total", 0)
@@ -163,7 +196,7 @@ class Trainer:
         }
         t0 = time.perf_counter()
         path = checkpoint.save_training_state(self.engine, self.ckpt_root, step, state, t.keep_checkpoints)
-        print(f"checkpoint of step {step}: {path} ({time.perf_counter() - t0:.1f}s)", flush=True)
+        self.log(f"checkpoint of step {step}: {path} ({time.perf_counter() - t0:.1f}s)")
         return path
 
     def run(self) -> dict:
@@ -219,8 +252,8 @@ class Trainer:
                     path = self._save(step, span_tokens)
                     if stopped is not None:
                         stopped.update(step=step, checkpoint=str(path))
-                        print(f"stopped at step {step} ({stopped['reason']}); resume with train.resume=auto "
-                              f"hydra.run.dir={self.run_dir}", flush=True)
+                        self.log(f"stopped at step {step} ({stopped['reason']}); resume with train.resume=auto "
+                                 f"hydra.run.dir={self.run_dir}")
                 if stopped is None and t.export_hf:
                     dtype = torch.bfloat16 if t.export_dtype == "bf16" else torch.float32
                     summary_extra["export_hf"] = checkpoint.export_hf(
@@ -229,8 +262,13 @@ class Trainer:
             if stopped is not None:
                 summary_extra["stopped"] = stopped
         finally:
-            summary = self.metrics.close(summary_extra)
-            self.engine.close()
+            try:
+                summary = self.metrics.close(summary_extra)
+                self.engine.close()
+            finally:
+                self.log(f"run dir: {self.run_dir} (metrics.jsonl, summary.json, train.log"
+                         + (", checkpoints/)" if self.ckpt_root.is_dir() else ")"))
+                self.log.close()
         return summary
 
 
@@ -268,24 +306,23 @@ class _StopSignals:
               "(send it again to abort now)", file=sys.stderr, flush=True)
 
 
-def _trim_metrics(path: Path, step: int) -> None:
-    """Drop records after `step` (written by a process that died after its last checkpoint)."""
-    if not path.exists():
+def _remove_unused_run_dir(run_dir: Path) -> None:
+    """Hydra creates the run dir (its `.hydra/` config copy and an empty `train.log`) before the trainer runs; a run
+    refused before it started, or `plan=true`, leaves nothing behind. A dir holding anything else is left alone."""
+    if not run_dir.is_dir():
         return
-    lines = path.read_text().splitlines()
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line).get("step", 0) > step:
-                continue
-        except ValueError:  # a line cut short by the crash
-            continue
-        kept.append(line)
-    if len(kept) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
-        print(f"{path}: dropped {len(lines) - len(kept)} records after step {step}")
+    entries = {p.name: p for p in run_dir.iterdir()}
+    log = entries.get("train.log")
+    if set(entries) - {".hydra", "train.log"} or (log is not None and log.stat().st_size):
+        return
+    if ".hydra" in entries:
+        shutil.rmtree(entries[".hydra"])
+    if log is not None:
+        log.unlink()
+    run_dir.rmdir()
+    parent = run_dir.parent  # the dated dir of the default hydra.run.dir, if this was its only run
+    if parent.name[:2].isdigit() and not any(parent.iterdir()):
+        parent.rmdir()
 
 
 def main(cfg: DictConfig) -> dict:
@@ -296,6 +333,7 @@ def main(cfg: DictConfig) -> dict:
 
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     run_dir = Path(hydra_cfg.runtime.output_dir) if hydra_cfg else Path(os.getcwd())
+    multirun = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
     try:
         summary = Trainer(cfg, run_dir).run()
     except TrainingDiverged as err:
@@ -303,11 +341,15 @@ def main(cfg: DictConfig) -> dict:
         raise SystemExit(3) from None
     except (ConfigError, DataError, PlanError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
-        if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
+        if multirun:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "refused.json").write_text(json.dumps({"error": str(err), "kind": type(err).__name__}))
             return {"refused": str(err)}
+        if hydra_cfg is not None:
+            _remove_unused_run_dir(run_dir)
         raise SystemExit(2) from None
+    if cfg.plan and hydra_cfg is not None and not multirun:
+        _remove_unused_run_dir(run_dir)
     stopped = summary.get("stopped") or {}
     if stopped.get("signal"):
         raise SystemExit(128 + stopped["signal"])

@@ -211,9 +211,134 @@ def test_nothing_is_loaded_before_everything_is_verified(saved, monkeypatch):
     """A damaged last unit file is found before the first unit is copied into the engine."""
     _flip_byte(saved / "checkpoints" / "step_4" / "unit_0004_head.safetensors")
     calls = []
-    from engine.schedule import StreamEngine
+    from engine.streaming import StreamEngine
 
     monkeypatch.setattr(StreamEngine, "load_unit_state", lambda self, *a, **k: calls.append(a[0]))
     with pytest.raises(CheckpointError):
         _resume(saved, "train.resume=auto")
     assert calls == []
+
+
+def checkpoint_cli(*args):
+    return subprocess.run([sys.executable, "-m", "engine.checkpoint", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_verify_of_a_run_dir_names_what_it_verified_and_the_newer_incomplete_one(saved):
+    root = saved / "checkpoints"
+    (root / "step_4" / "manifest.json").unlink()
+    out = checkpoint_cli("verify", saved)
+    assert out.returncode == 0, out.stderr
+    assert f"{root / 'step_2'}: complete, step 2" in out.stdout
+    assert f"warning: {root / 'step_4'} is newer but incomplete" in out.stderr
+    out = checkpoint_cli("verify", root / "step_4")  # named explicitly: refused
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == f"error: {root / 'step_4' / 'manifest.json'}: missing; " \
+        "without a manifest the checkpoint is incomplete (a save was interrupted or files were removed); use an " \
+        "older step_<N> directory"
+
+
+def test_export_cli_refuses_bad_paths_with_one_error_line(saved, capsys):
+    from engine.checkpoint.cli import main
+
+    a_file = saved / "a_file"
+    a_file.write_text("not a directory")
+    out = checkpoint_cli("export", saved, a_file)  # the reported case: was a NotADirectoryError traceback
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == f"error: {a_file}: exists and is not a directory; the export needs a directory there"
+    assert a_file.read_text() == "not a directory" and not (saved / "a_file.tmp").exists()
+
+    _flip_byte(saved / "checkpoints" / "step_4" / "unit_0002_layer1.safetensors")
+    (saved / "empty").mkdir()
+    cases = [  # (src, out, what the one line must say)
+        (saved / "missing", saved / "x", f"{saved / 'missing'}: no such directory"),
+        (saved / "empty", saved / "x", f"{saved / 'empty'}: no complete checkpoint"),
+        (a_file, saved / "x", f"{a_file}: not a directory"),
+        (saved, a_file / "sub", f"{a_file / 'sub.tmp'}: Not a directory"),
+        (saved, saved / "x", f"{saved / 'checkpoints' / 'step_4' / 'unit_0002_layer1.safetensors'}: checksum mismatch"),
+    ]
+    for src, dst, message in cases:
+        assert main(["export", str(src), str(dst)]) == 2, src
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+        assert not (saved / "x").exists() and not (saved / "x.tmp").exists()
+    assert main(["verify", str(saved / "missing")]) == 2
+    assert capsys.readouterr().err == f"error: {saved / 'missing'}: no such directory\n"
+
+
+def test_failed_save_leaves_no_tmp_dir_and_the_previous_checkpoint_newest(saved, monkeypatch):
+    root = saved / "checkpoints"
+    tr = _resume(saved, "train.resume=auto")
+    write, calls = checkpoint.write_safetensors, []
+
+    def fails_third_unit(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.state, "write_safetensors", fails_third_unit)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            checkpoint.save_training_state(tr.engine, root, 5, {"note": "ok"})
+        assert len(calls) == 3
+        for bad, message in [(float("nan"), r"state\['lr_schedule'\]\['next_lr'\] is nan"),
+                             (float("inf"), r"is inf"), (object(), r"\['next_lr'\] is a object")]:
+            with pytest.raises(CheckpointError, match=f"{root / 'step_6' / 'trainer_state.json'}: cannot be written.*"
+                                                      f"{message}"):
+                checkpoint.save_training_state(tr.engine, root, 6, {"lr_schedule": {"next_lr": bad}})
+        assert len(calls) == 3  # refused before any unit file was written
+    finally:
+        tr.engine.close()
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"]
+    assert checkpoint.list_checkpoints(root)[0][-1] == (4, root / "step_4")
+    checkpoint.open_training_state(root / "step_4")
+
+
+def _safetensors_bytes(tmp_path: Path) -> bytes:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(64, dtype=torch.float32).reshape(8, 8)}, str(tmp_path / "ok.safetensors"),
+              metadata={"format": "pt"})
+    return (tmp_path / "ok.safetensors").read_bytes()
+
+
+def test_safetensors_reader_names_the_file_for_every_kind_of_damage(tmp_path):
+    raw = _safetensors_bytes(tmp_path)
+    with SafetensorsFile(tmp_path / "ok.safetensors") as st:
+        assert st.metadata == {"format": "pt"} and st.entries["w"].shape == (8, 8)
+        assert torch.equal(st.get("w"), torch.arange(64, dtype=torch.float32).reshape(8, 8))
+        with pytest.raises(CheckpointError, match="ok.safetensors: no tensor named v"):
+            st.get("v")
+    bad_json = bytearray(raw)
+    bad_json[12] = ord("}")
+    damaged = {  # file name -> (bytes, what the message must say)
+        "short": (raw[:5], "truncated: too short"),
+        "header_cut": (raw[:20], "truncated or not a safetensors file: its header length does not fit"),
+        "data_cut": (raw[:-4], "truncated"),
+        "appended": (raw + b"\0" * 8, r"truncated \(or has bytes appended\)"),
+        "bad_json": (bytes(bad_json), "corrupt safetensors header"),
+    }
+    for name, (data, message) in damaged.items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=f"^{path}: {message}"):
+            SafetensorsFile(path)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'none.safetensors'}: missing"):
+        SafetensorsFile(tmp_path / "none.safetensors")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_ten_steps_equal_five_stop_resume_five_on_gpu(compile_mode, tmp_path):
+    """On the GPU, bf16 autocast, copy streams and the optimizer thread running: a stop and a resume still give the
+    uninterrupted run's losses, weights and moments bit for bit (the step is deterministic there: no atomics in the
+    paths the templates take, checked by tests/test_stream_gpu.py's repeat test)."""
+    common = [*RECIPE, "engine=stream", "hardware.device=cuda", f"train.compile={compile_mode}", "train.steps=10",
+              "train.checkpoint_every=5"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    Trainer(make_cfg(common), whole).run()
+    Trainer(make_cfg([*common, "train.stop_at=5"]), split).run()
+    Trainer(make_cfg([*common, "train.resume=auto"]), split).run()
+    assert step_losses(split) == step_losses(whole)
+    assert_same_state(whole / "checkpoints" / "step_10", split / "checkpoints" / "step_10")

@@ -1,16 +1,24 @@
-"""The user-facing commands, run as a user runs them: train.py as a subprocess, outputs read back from disk."""
+"""The user-facing commands, run as a user runs them: train.py as a subprocess, outputs read back from disk; and the
+installed package, built as a wheel and run from outside the checkout."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import textwrap
+import zipfile
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _train(*args, timeout=300):
     out = subprocess.run([sys.executable, "train.py", *args, "hardware=cpu"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=timeout, env={**__import__("os").environ, "WANDB_MODE": "offline"})
+                         text=True, timeout=timeout, env={**os.environ, "WANDB_MODE": "offline"})
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -54,3 +62,143 @@ def test_sweep_records_refused_jobs_and_goes_on(tmp_path):
     refused = [json.loads((j / "refused.json").read_text()) for j in jobs if (j / "refused.json").exists()]
     assert len(jobs) == 2 and len(refused) == 1
     assert "max_position_embeddings" in refused[0]["error"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Refused configs: exit status 2, one `error:` message, no traceback
+
+
+def _refused(*args, cwd=ROOT, command=("train.py",), env=None):
+    out = subprocess.run([sys.executable, *command, *args, "logger=none"], cwd=cwd, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr, out.stderr[-3000:]
+    return out.stderr
+
+
+@pytest.mark.parametrize("override", ["+train.bogus_key=1", "++train.bogus_key=1", "train.bogus_key=1"])
+def test_unknown_key_is_refused_whatever_the_syntax(override, tmp_path):
+    err = _refused(override, f"hydra.run.dir={tmp_path}")
+    assert "train.bogus_key is not a config key; valid keys of train: activation_checkpointing" in err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["+bogus=1"], "bogus is not a config key or config group; valid top-level keys"),
+    (["+model.foo=1"], "model.foo is not a config key; valid keys of model"),
+    (["engine=stream", "engine.checkpoint_tier=host"], "engine.checkpoint_tier was renamed engine.activation_tier"),
+    (["train.steps=abc"], "train.steps=abc is not valid: train.steps takes an integer"),
+    (["model=qwen8b"], "Could not find 'model/qwen8b'"),  # Hydra's message, which lists the options
+    (["-m", "train.seq_len=64,abc"], "train.seq_len=abc is not valid"),  # before the sweep's first job
+])
+def test_compose_errors_exit_2(args, expected, tmp_path):
+    err = _refused(*args, f"hydra.run.dir={tmp_path}", f"hydra.sweep.dir={tmp_path}")
+    assert expected in err
+    if "model=qwen8b" in args:
+        assert "qwen7b" in err and "tiny" in err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train.lr=nan"], "train.lr=nan must be a finite number > 0"),
+    (["train.grad_accum=0"], "train.grad_accum=0 must be >= 1"),
+    (["data=memmap", "data.path=/nonexistent/tokens.bin"], "data.path='/nonexistent/tokens.bin': no such file"),
+])
+def test_bad_value_is_a_clean_error(args, expected, tmp_path):
+    assert expected in _refused(*args, f"hydra.run.dir={tmp_path}")
+
+
+def test_corrupt_files_are_refused(tmp_path):
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(b"\0" * 7)
+    (tmp_path / "tokens.bin.json").write_text(json.dumps({"vocab_size": 256, "n_tokens": 1, "fingerprint": "x"}))
+    assert "not a whole number of uint32 tokens" in _refused("data=memmap", f"data.path={tokens}",
+                                                            f"hydra.run.dir={tmp_path / 'a'}")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{not json")
+    assert "config.json: corrupt JSON" in _refused(f"model.init=hf:{hf}", f"hydra.run.dir={tmp_path / 'b'}")
+
+
+def test_gpu_profile_without_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    err = _refused("hardware=h200", f"hydra.run.dir={tmp_path}")
+    assert "torch sees no CUDA device" in err and "hardware=cpu" in err and "plan=true" in err
+
+
+def test_a_crash_in_training_keeps_its_traceback_and_status_1(tmp_path):
+    crash = textwrap.dedent("""
+        import engine.trainer
+        def crash(*args, **kwargs):
+            raise RuntimeError("simulated crash")
+        engine.trainer.Trainer = crash
+        from engine.cli import cli
+        cli()
+    """)
+    out = subprocess.run([sys.executable, "-c", crash, "logger=none", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" in out.stderr and "RuntimeError: simulated crash" in out.stderr
+
+
+def test_plan_prints_bytes_per_tier_without_training():
+    out = subprocess.run([sys.executable, "train.py", "logger=none", "model=qwen7b", "engine=stream", "plan=true",
+                          "hardware=h200"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "fp32 master, Adam m + v" in out.stdout and "host" in out.stdout and "predicted step" in out.stdout
+    assert "step 1/" not in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Installed layout
+
+
+def test_wheel_carries_conf_and_finds_it_when_installed(tmp_path):
+    """`pip wheel` of a copy of the sources (so the checkout gets no build/ dir); the unpacked wheel, first on
+    PYTHONPATH and run from another directory, composes its packaged conf and resolves a hardware profile from it."""
+    src = tmp_path / "src"
+    for name in ("engine", "kernels", "conf"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=120)
+    (wheel,) = (tmp_path / "dist").glob("streamtrain-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        zf.extractall(site)
+    modules = {p.relative_to(src).as_posix() for d in ("engine", "kernels") for p in (src / d).rglob("*.py")}
+    yamls = {"streamtrain_conf/" + p.relative_to(src / "conf").as_posix() for p in (src / "conf").rglob("*.yaml")}
+    assert not modules - names, f"not in the wheel (list their package in setup.cfg): {sorted(modules - names)}"
+    assert not yamls - names, sorted(yamls - names)
+    (entry_points,) = site.glob("*.dist-info/entry_points.txt")
+    assert "streamtrain-train = engine.cli:cli" in entry_points.read_text()
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    probe = textwrap.dedent("""
+        from hydra import compose, initialize_config_dir
+        from engine import hardware
+        from engine.config import CONF_DIR, register, validate
+        register()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=["model=qwen7b", "logger=none"])
+        hardware.resolve(cfg)
+        validate(cfg)
+        print(hardware.__file__, hardware.PROFILE_DIR, cfg.hardware.name, cfg.model.hidden_size)
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    module, profiles, profile, hidden = out.stdout.split()
+    assert module.startswith(str(site)) and profiles == str(site / "streamtrain_conf" / "hardware")
+    assert profile != "auto" and hidden == "3584"
+
+    cli = ("-c", "from engine.cli import cli; cli()")  # what the streamtrain-train script runs
+    assert "valid keys of train" in _refused("+train.bogus_key=1", cwd=elsewhere, command=cli, env=env)
+    shown = subprocess.run([sys.executable, *cli, "--cfg", "job", "hardware=h200", "model=qwen7b"], cwd=elsewhere,
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "hidden_size: 3584" in shown.stdout and "gpu_mem_gib: 139.0" in shown.stdout

@@ -141,7 +141,7 @@ def test_memmap_tokens_match_tokenizer(corpus):
 
     data = build_data(cfg("memmap", str(corpus.out), val_fraction=0.25), 8, seed=0, model_vocab_size=1000)
     assert isinstance(data.tokens, np.memmap)
-    assert data.vocab_size == meta["vocab_size"] and data.fingerprint == meta["fingerprint"]
+    assert data.vocab_size == meta["vocab_size"] and data.fingerprint.startswith(meta["fingerprint"] + "-max")
     assert data.description["n_tokens"] == len(corpus.expected)
     ids, labels = data.batch("train", 2, 3)
     assert ids.shape == (3, 8) and ids.dtype == torch.int64
@@ -204,6 +204,22 @@ def test_memmap_errors_name_the_file(tmp_path, corpus):
 
     result = _prepare(corpus.tok_path, tmp_path / "x.bin", tmp_path / "nothing-here")
     assert result.returncode == 2 and "nothing-here" in result.stderr
+
+
+def test_memmap_ids_beyond_the_vocabulary_are_refused_when_opened(tmp_path, corpus):
+    """A token file whose ids reach the vocabulary (not written by this tokenizer, or corrupt) is refused when the
+    data is opened, naming the id, where it is and the limit, instead of crashing the embedding mid-run."""
+    bin_path = _copy(corpus, tmp_path)
+    meta = json.loads(Path(str(bin_path) + ".json").read_text())
+    ids = np.fromfile(bin_path, dtype="<u4")
+    good = build_data(cfg("memmap", str(bin_path), val_fraction=0.25), 8, seed=0, model_vocab_size=meta["vocab_size"])
+    assert good.description["max_token_id"] == int(ids.max())
+    assert good.fingerprint.endswith(f"-max{int(ids.max())}")
+    ids[17] = meta["vocab_size"]
+    ids.tofile(bin_path)
+    with pytest.raises(DataError, match=rf"token id {meta['vocab_size']} \(first bad one at token 17\)") as e:
+        build_data(cfg("memmap", str(bin_path), val_fraction=0.25), 8, seed=0, model_vocab_size=meta["vocab_size"])
+    assert str(bin_path) in str(e.value)
 
 
 # ------------------------------------------------------------ synthetic

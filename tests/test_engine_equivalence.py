@@ -90,9 +90,9 @@ def test_stream_matches_reference_bit_for_bit(family, reference_runs):
 
 
 @pytest.mark.parametrize("placement", [
-    ["engine.grads_tier=gpu", "engine.checkpoint_tier=gpu", "engine.cache_weights=on"],
+    ["engine.grads_tier=gpu", "engine.activation_tier=gpu", "engine.cache_weights=on"],
     ["engine.grads_tier=gpu", "engine.slots=3"],
-    ["engine.checkpoint_tier=gpu", "engine.cache_weights=on"],
+    ["engine.activation_tier=gpu", "engine.cache_weights=on"],
     ["engine.device_optimizer_units=2"],
     ["engine.device_optimizer_units=5", "engine.grads_tier=gpu"],
 ])

@@ -3,7 +3,7 @@ save, and runs of non-finite steps. Real processes (train.py, or train.py starte
 every unit-file write of a save slower, so that random kills land inside saves often), real files.
 
 Fault injection without a user knob or an environment hook in the product: saves are slowed down by the launcher
-below, which monkeypatches `engine.checkpoint.write_safetensors` before running train.py; NaN gradients are
+below, which monkeypatches `engine.checkpoint.state.write_safetensors` before running train.py; NaN gradients are
 injected in-process by wrapping the engine's `train_step` with a `grad_hook` (the engines' test interface), or
 produced for real by an absurd learning rate.
 """
@@ -30,7 +30,7 @@ from tests.util import make_cfg
 LAUNCHER = """
 import os, runpy, sys, time
 sys.path.insert(0, {root!r})
-import engine.checkpoint as c
+import engine.checkpoint.state as c
 _write = c.write_safetensors
 def slow_write(*args, **kwargs):
     time.sleep(float(os.environ.get("SLOW_SAVE_S", "0")))

@@ -1,4 +1,4 @@
-"""HF checkpoints in and out, against transformers (a test-only dependency; engine/checkpoint.py never imports it).
+"""HF checkpoints in and out, against transformers (a test-only dependency; engine/checkpoint/ never imports it).
 
 Import: tiny random Qwen2 (q/k/v bias), Qwen3 (head_dim != hidden / heads) and Llama (llama3 rope scaling) models are
 saved by transformers' `save_pretrained` (safetensors; fp32 and bf16; one file, and sharded with a small

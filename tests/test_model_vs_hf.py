@@ -165,7 +165,7 @@ def tied_weight(spec: ModelSpec, params: list[dict]):
 
 
 def our_logits(spec, params, ids_BT):
-    return spec.logits(params[-1], our_hidden(spec, params, ids_BT), tied_weight(spec, params))
+    return dense.logits(params[-1], our_hidden(spec, params, ids_BT), spec.arch, tied_weight(spec, params))
 
 
 def inputs(m, seq_len: int, seed: int = 7):
@@ -197,7 +197,7 @@ def test_layout_matches_hf(case):
 
 def _assert_layout(spec: ModelSpec, model) -> None:
     ours = {u.layout.prefix + s.name: tuple(s.shape) for u in spec.units for s in u.layout.specs}
-    assert [n for u in spec.units for n in u.layout.hf_names] == list(ours)  # hf_names is prefix + name, no dups
+    assert [u.layout.prefix + s.name for u in spec.units for s in u.layout.specs] == list(ours)  # no duplicates
     sd = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if spec.tied:  # HF may or may not list the tied lm_head in its state dict; it is the embedding either way
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight

@@ -1,10 +1,16 @@
 """engine=stream against engine=reference on a CUDA GPU, with the copy streams, pinned host memory and the
 optimizer thread really running concurrently (CPU tests cannot see races).
 
-Tolerance: the reference runs AdamW on the GPU and the stream engine on the CPU (different fused kernels), and
-cuBLAS/SDPA may pick different algorithms for different memory layouts, so results agree to fp32/bf16 rounding
-rather than bit for bit: losses within 1e-3 relative over 6 steps, weights within a small fraction of one lr step.
+Tolerance, by the flash-attention rule: in bf16 neither engine is exact, so each is judged by its distance to an
+fp32 run of the reference engine (the oracle), and the stream engine's distance may be at most twice the bf16
+reference engine's own distance, plus a small absolute term for rounding-level results. Distances: the largest loss
+difference over the steps, and the L2 norm of the weight difference over every tensor (k_proj.bias left out: its
+exact gradient is zero, softmax ignores it, so Adam amplifies pure rounding noise there). Both engines run the
+compiled templates (the CUDA default) and the eager ones. In fp32 the two engines agree to fp32 rounding: they run
+different AdamW kernels (fused CUDA vs fused CPU) and cuBLAS may pick other algorithms for other layouts.
 """
+
+import math
 
 import pytest
 import torch
@@ -21,12 +27,25 @@ pytestmark = pytest.mark.gpu
 STEPS = 6
 RECIPE = ["train.seq_len=200", "train.micro_batch_size=2", "train.grad_accum=3", "train.max_grad_norm=0.05",
           "train.lr=1e-3", "train.warmup_steps=1", f"train.steps={STEPS}"]
+PLACEMENTS = {
+    "auto": [],
+    "host-grads-host-activations": ["engine.grads_tier=host", "engine.activation_tier=host",
+                                    "engine.cache_weights=off"],
+    "all-gpu": ["engine.grads_tier=gpu", "engine.activation_tier=gpu", "engine.cache_weights=on"],
+    "host-grads-3-slots": ["engine.grads_tier=host", "engine.activation_tier=gpu", "engine.cache_weights=off",
+                           "engine.slots=3"],
+    "host-grads-no-gpu-units": ["engine.grads_tier=host", "engine.device_optimizer_units=0",
+                                "engine.cache_weights=off"],
+    "3-gpu-units-host-grads": ["engine.device_optimizer_units=3", "engine.grads_tier=host",
+                               "engine.cache_weights=off"],
+    "2-gpu-units-gpu-grads": ["engine.device_optimizer_units=2", "engine.grads_tier=gpu", "engine.cache_weights=on"],
+}
+LOSS_ATOL, WEIGHT_ATOL = 1e-4, 1e-4
 
 
-def run(engine, overrides, compute="bf16"):
-    # eager templates: compiling them for each of these small engines would dominate the test's time
-    cfg = make_cfg([f"engine={engine}", *SMALL, *RECIPE, f"train.compute_dtype={compute}", "train.compile=off",
-                    *overrides])
+def run(engine, overrides, compute, compile_mode="off"):
+    cfg = make_cfg([f"engine={engine}", *SMALL, *RECIPE, f"train.compute_dtype={compute}",
+                    f"train.compile={compile_mode}", *overrides])
     spec = ModelSpec(cfg.model)
     device = torch.device("cuda")
     plan = build_plan(spec, cfg, 40.0, 64.0, on_gpu=True)
@@ -34,36 +53,68 @@ def run(engine, overrides, compute="bf16"):
     data = build_data(cfg.data, cfg.train.seq_len, cfg.seed, cfg.model.vocab_size)
     t = cfg.train
     try:
-        losses = []
+        records = []
         for step in range(STEPS):
             batches = [data.batch("train", step * t.grad_accum + j, t.micro_batch_size) for j in range(t.grad_accum)]
-            losses.append(eng.train_step(batches, optim.lr_at(step, t))["loss"])
-        return losses, eng.master_weights()
+            records.append(eng.train_step(batches, optim.lr_at(step, t)))
+        return [r["loss"] for r in records], eng.master_weights(), records
     finally:
         eng.close()
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp32"])
-def reference(request):
-    return request.param, run("reference", [], request.param)
+def distances(losses, weights, oracle):
+    oracle_losses, oracle_weights = oracle
+    loss_d = max(abs(a - b) for a, b in zip(losses, oracle_losses))
+    weight_d = math.sqrt(sum(((weights[n] - oracle_weights[n]).double() ** 2).sum().item()
+                             for n in oracle_weights if not n.endswith("k_proj.bias")))
+    return loss_d, weight_d
 
 
-@pytest.mark.parametrize("placement", [
-    [],
-    ["engine.grads_tier=host", "engine.checkpoint_tier=host", "engine.cache_weights=off"],
-    ["engine.grads_tier=gpu", "engine.checkpoint_tier=gpu", "engine.cache_weights=on"],
-    ["engine.grads_tier=host", "engine.checkpoint_tier=gpu", "engine.cache_weights=off", "engine.slots=3"],
-    ["engine.device_optimizer_units=3", "engine.grads_tier=host", "engine.cache_weights=off"],
-    ["engine.device_optimizer_units=2", "engine.grads_tier=gpu", "engine.cache_weights=on"],
-])
-def test_stream_matches_reference_on_gpu(reference, placement):
-    compute, (ref_losses, ref_w) = reference
-    losses, w = run("stream", placement, compute)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
-    worst = max((w[n] - ref_w[n]).abs().max().item() for n in ref_w if not n.endswith("k_proj.bias"))
-    print(f"{compute} {placement}: loss diffs {[a - b for a, b in zip(losses, ref_losses)]}, max |dw| {worst:.2e}")
-    # k_proj.bias is excluded: its exact gradient is zero (softmax ignores it), so Adam amplifies rounding noise.
-    # The bound is a fraction of the 6 lr steps (6e-3) a weight can move: fp32 runs agree to ~1e-7; in bf16 the
-    # GPU (reference) and CPU (stream) AdamW kernels round differently, bf16 weight copies then round to different
-    # values and the runs drift apart at bf16 resolution (seen: 9e-4 after 6 steps).
-    assert worst < (2e-3 if compute == "bf16" else 1e-6)
+@pytest.fixture(scope="module")
+def oracle():
+    losses, weights, _ = run("reference", [], "fp32")
+    return losses, weights
+
+
+@pytest.fixture(scope="module", params=["off", "on"])
+def bf16_reference(request, oracle):
+    losses, weights, _ = run("reference", [], "bf16", request.param)
+    return request.param, distances(losses, weights, oracle)
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_stream_bf16_error_at_most_twice_the_references(bf16_reference, oracle, placement):
+    compile_mode, (ref_loss_d, ref_weight_d) = bf16_reference
+    if compile_mode == "on" and placement not in ("auto", "host-grads-no-gpu-units"):
+        pytest.skip("compiled templates: two placements (each compile costs a minute)")
+    losses, weights, records = run("stream", PLACEMENTS[placement], "bf16", compile_mode)
+    loss_d, weight_d = distances(losses, weights, oracle)
+    print(f"{placement} compile={compile_mode}: loss error {loss_d:.2e} (reference {ref_loss_d:.2e}), "
+          f"weight error {weight_d:.2e} (reference {ref_weight_d:.2e})")
+    assert loss_d <= 2 * ref_loss_d + LOSS_ATOL
+    assert weight_d <= 2 * ref_weight_d + WEIGHT_ATOL
+    if placement == "host-grads-no-gpu-units":  # the last gradient D2H is still queued when the timer is read
+        assert all(r.get("d2h_busy_s", 0.0) > 0 for r in records[1:]), records[-1]
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_stream_fp32_matches_reference_fp32(oracle, placement):
+    losses, weights, _ = run("stream", PLACEMENTS[placement], "fp32")
+    oracle_losses, oracle_weights = oracle
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle_losses), rtol=1e-5, atol=0)
+    worst = max((weights[n] - oracle_weights[n]).abs().max().item() for n in oracle_weights
+                if not n.endswith("k_proj.bias"))
+    assert worst < 1e-6
+
+
+def test_gpu_runs_repeat_bit_for_bit_or_say_where_they_do_not():
+    """Two identical bf16 stream runs on the GPU. This records what "bit-exact resume" can mean here: equal runs
+    mean a resumed run equals an uninterrupted one as on the CPU; if they differ, the difference is printed and must
+    stay at rounding level (SDPA's backward may accumulate in a nondeterministic order)."""
+    a_losses, a_weights, _ = run("stream", [], "bf16")
+    b_losses, b_weights, _ = run("stream", [], "bf16")
+    same = a_losses == b_losses and all(torch.equal(a_weights[n], b_weights[n]) for n in a_weights)
+    worst = max((a_weights[n] - b_weights[n]).abs().max().item() for n in a_weights)
+    print(f"two identical GPU runs: bit-identical={same}, max |dw|={worst:.2e}, "
+          f"loss diffs {[x - y for x, y in zip(a_losses, b_losses)]}")
+    assert max(abs(x - y) for x, y in zip(a_losses, b_losses)) <= LOSS_ATOL

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from hydra import compose, initialize_config_dir
 
-from engine import hardware
+from engine import config, hardware
 from engine.config import register, validate
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(config.CONF_DIR)
 register()
 
 # A model small enough for many engine steps on 2 cores, with sizes that are not powers of two.

@@ -23,7 +23,6 @@ where.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import signal
@@ -44,7 +43,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from engine.metrics import count_params, git_sha, jsonable, model_flops_per_token  # noqa: E402
+from engine.metrics import count_params, jsonable, model_flops_per_token, run_environment  # noqa: E402
 
 GIB = 2**30
 CHILD_ENV = "STREAMTRAIN_PEER_CHILD"
@@ -280,16 +279,12 @@ def sync() -> None:
 
 
 def versions() -> Dict[str, Any]:
-    out: Dict[str, Any] = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                           "torch": torch.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count()}
-    for mod in ("triton", "transformers"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - absent or broken: recorded as None
-            out[mod] = None
-    out["git_sha"] = git_sha()
-    out["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    return out
+    """The project's provenance fields (engine.metrics.run_environment) plus the transformers version peers run."""
+    try:
+        transformers_version = __import__("transformers").__version__
+    except Exception:  # noqa: BLE001 - absent or broken: recorded as None
+        transformers_version = None
+    return {**run_environment(), "transformers": transformers_version}
 
 
 def free_port() -> int:

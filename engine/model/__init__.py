@@ -53,14 +53,6 @@ class ModelSpec:
         self.units.append(Unit(self.num_layers + 1, "head", UnitLayout("", dense.head_specs(self.arch))))
 
     @property
-    def embed_unit(self) -> Unit:
-        return self.units[0]
-
-    @property
-    def head_unit(self) -> Unit:
-        return self.units[-1]
-
-    @property
     def layer_units(self) -> List[Unit]:
         return self.units[1:-1]
 
@@ -113,9 +105,6 @@ class ModelSpec:
 
     def loss_sum(self, p, x_BTD, labels_BT, tied_weight=None):
         return dense.loss_sum(p, x_BTD, labels_BT, self.arch, tied_weight, chunk_fn=self._loss_chunk_fn)
-
-    def logits(self, p, x_BTD, tied_weight=None):
-        return dense.logits(p, x_BTD, self.arch, tied_weight)
 
     @property
     def tied_weight_name(self) -> str:

@@ -68,10 +68,6 @@ class UnitLayout:
     def names(self) -> List[str]:
         return [s.name for s in self.specs]
 
-    @property
-    def hf_names(self) -> List[str]:
-        return [self.prefix + s.name for s in self.specs]
-
     def views(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Tensor views into one flat buffer of this layout (numel >= self.numel)."""
         if flat.numel() < self.numel:

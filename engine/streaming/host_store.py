@@ -1,14 +1,14 @@
 """Host-resident training state: per-unit flat fp32 master weights, Adam m and v, and host-tier buffers.
 
 Everything lives in one host arena allocated once, carved into aligned per-unit views. Only the parts that cross
-the PCIe link asynchronously (master weights streamed H2D, gradients and checkpoints landing D2H) need page-locked
+the PCIe link asynchronously (master weights streamed H2D, gradients and kept activations landing D2H) need page-locked
 memory; they are allocated as plain memory and pinned with cudaHostRegister, one registration per region. Two
 reasons not to use `torch.empty(pin_memory=True)`: the caching host allocator rounds every request up to a power of
 two (a 91 GB request would take 128 GB), and m/v are only touched by the CPU optimizer, so pinning them would cost
 registration time for nothing. On a CPU-only torch nothing is pinned and the layout is the same.
 
 Bytes: 12 per parameter (fp32 master, m, v) of the units whose optimizer runs on the host, plus 4 per parameter for
-gradients when the plan keeps them on the host, plus host-tier checkpoints, plus a small pinned staging ring for
+gradients when the plan keeps them on the host, plus host-tier layer-input activations, plus a small pinned staging ring for
 gradients kept on the GPU. `bytes_by_kind`
 reports exactly what was allocated; the layout padding (tensors aligned to 64 elements) is included.
 """
@@ -22,9 +22,10 @@ import torch
 
 from engine.model import ModelSpec
 
+
 class HostStore:
     def __init__(self, spec: ModelSpec, pin: bool, grads_on_host: bool, grad_staging: int,
-                 host_checkpoint_numel: int, seed: int, host_units: Optional[Sequence[int]] = None,
+                 host_activation_numel: int, seed: int, host_units: Optional[Sequence[int]] = None,
                  init_threads: int = 8):
         """`host_units`: the units whose state lives here (default all); the others get empty placeholders (their
         state lives in GPU memory, owned by the engine)."""
@@ -47,10 +48,10 @@ class HostStore:
             to_pin += self.grads  # one registration per unit: every copy stays inside one registered region
         self.grad_staging = [self._alloc("grad_staging", max(numels)) for _ in range(grad_staging)]
         to_pin += self.grad_staging
-        self.checkpoints = None
-        if host_checkpoint_numel:
-            self.checkpoints = self._alloc("checkpoints", host_checkpoint_numel)
-            to_pin.append(self.checkpoints)
+        self.activations = None
+        if host_activation_numel:
+            self.activations = self._alloc("activations", host_activation_numel)
+            to_pin.append(self.activations)
 
         def init_unit(unit) -> None:
             flat = self.master[unit.index]
@@ -83,13 +84,18 @@ class HostStore:
                                f"CUDA error {int(err)}; the host may not allow that much locked memory (ulimit -l)")
         self.pinned.append(t)
 
-    def unit_views(self, which: str, index: int) -> Dict[str, torch.Tensor]:
-        return self.layouts[index].views(getattr(self, which)[index])
-
-    def total_bytes(self) -> int:
-        return sum(self.bytes_by_kind.values())
-
     def close(self) -> None:
+        """Unpin everything. Copies into or out of this memory may still be queued on any stream (a gradient D2H,
+        a prefetch), and unregistering under a running DMA is undefined, so the device is drained first; this runs
+        once, at the end of a run, never on the step path."""
+        if not self.pinned:
+            return
+        torch.cuda.synchronize()
+        failed = []
         for t in self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            err = int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+            if err != 0:
+                failed.append(f"{t.numel() * t.element_size() / 2**30:.2f} GiB at {t.data_ptr():#x}: CUDA error {err}")
         self.pinned = []
+        if failed:
+            raise RuntimeError("cudaHostUnregister failed for " + "; ".join(failed))

@@ -1,14 +1,16 @@
-"""The streaming engine's step: the one place that orders work (DESIGN.md §3).
+"""StreamEngine: the streaming engine's step, the one place that orders work (DESIGN.md §3).
 
 One step over M micro-batches:
 1. Forward, layer-major. The embedding, then each decoder layer is visited once: its weights arrive in a slot
    (H2D, prefetched `slots - 1` units ahead), all M micro-batches run through it without autograd, and each layer
-   input is kept as a checkpoint (GPU, or pinned host memory via the D2H stream).
+   input is kept in the activation store (GPU, or pinned host memory via the D2H stream). A unit's compute is
+   queued before the engine waits for the host update of the units after it, so compute(k) never waits for
+   update(k+1); look-ahead loads of units already updated are queued before compute(k), the others after it.
 2. Head. Final norm + LM head + cross-entropy run forward and backward per micro-batch right away (the loss is the
    end of the graph), giving each micro-batch's residual gradient and the head's parameter gradient.
 3. Backward, layers L..1. Each layer's weights are found still resident (the last `slots` layers of the forward,
    or every layer when the plan caches weights) or streamed again; each micro-batch's forward is recomputed from its
-   checkpoint with autograd on and back-propagated with `torch.autograd.grad`. The layer's gradient accumulates in
+   kept input with autograd on and back-propagated with `torch.autograd.grad`. The layer's gradient accumulates in
    fp32 on the GPU over micro-batches (bf16 autograd gradients are upcast exactly, as autocast's cast-backward
    does in the reference), its per-tensor norms are taken on the GPU, and it either stays on the GPU (grads tier
    gpu) or goes to pinned host memory on the D2H stream. Then the embedding's backward (a scatter-add, no weights).
@@ -19,6 +21,8 @@ One step over M micro-batches:
    through a two-deep pinned staging pair, raising each unit's "updated" flag; the next step's forward streams
    unit u as soon as its flag is up, so the host update of step t overlaps the forward of step t+1. The GPU takes
    the first units because the forward needs them first: the host starts with a lead of those units' forward time.
+   Every read of a gradient accumulator (D2H, the optimizer's fetch, the GPU update) records an event that the
+   next overwrite of that accumulator waits for (engine/streaming/gradients.py).
 
 The embedding and head are streamed like layers (their master weights and moments stay on the host, so a 24 GB
 GPU can train a 150K-vocabulary model), each into a slot of its own: they differ in size from a layer, and a ring
@@ -45,39 +49,17 @@ from engine import optim
 from engine.device import Device, autocast_ctx
 from engine.model import ModelSpec
 from engine.optim import FlatAdamW
-from engine.store import HostStore
-from engine.stream import CheckpointStore, Slot, StallTimer, WeightLoader
-from kernels.grad_accum import accumulate_layout
+from engine.streaming.activations import ActivationStore
+from engine.streaming.gradients import GradAccumulator
+from engine.streaming.host_store import HostStore
+from engine.streaming.slots import Slot, WeightLoader
+from engine.streaming.stall_timer import StallTimer
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
 def _leaves(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k: v.detach().requires_grad_() for k, v in params.items()}
-
-
-class _Accumulator:
-    """A unit's fp32 gradient on the GPU, in the unit's flat layout (the host optimizer's layout, so it crosses the
-    link as one copy). `fused` accumulates all of a micro-batch's gradients in one Triton launch, bit-identical to
-    the per-tensor torch copy_/add_ it replaces (kernels/grad_accum.py)."""
-
-    def __init__(self, dev: Device, layout, fused: bool):
-        self.layout, self.fused = layout, fused
-        self.flat = torch.zeros(layout.numel, dtype=torch.float32, device=dev.device)
-        self.views = layout.views(self.flat)
-        self.fresh = True  # next accumulation overwrites instead of adding
-        self.d2h_done = dev.event()
-
-    def add(self, grads: Dict[str, torch.Tensor]) -> None:
-        if self.fused:
-            accumulate_layout(self.layout, self.flat, grads, first=self.fresh)
-        else:
-            for name, g in grads.items():
-                if self.fresh:
-                    self.views[name].copy_(g)
-                else:
-                    self.views[name].add_(g)
-        self.fresh = False
 
 
 class StreamEngine:
@@ -90,16 +72,16 @@ class StreamEngine:
         placement = plan.placement
         self.grads_on_gpu = placement["grads_tier"] == "gpu"
         self.cache_weights = placement["cache_weights"] == "on"
-        ckpt_on_gpu = placement["checkpoint_tier"] == "gpu"
+        activations_on_gpu = placement["activation_tier"] == "gpu"
         L, M = spec.num_layers, t.grad_accum
         self.shape_BTD = (t.micro_batch_size, t.seq_len, spec.arch.hidden)
-        ckpt_numel = 0 if ckpt_on_gpu else L * M * self.shape_BTD[0] * self.shape_BTD[1] * self.shape_BTD[2]
+        activation_numel = 0 if activations_on_gpu else L * M * self.shape_BTD[0] * self.shape_BTD[1] * self.shape_BTD[2]
         n_units = len(spec.units)
         # the leading units (embedding, layer 1, ...) whose master, moments and update live on the GPU
         self.device_units = set(range(placement.get("device_optimizer_units", 0)))
         self.host_units = [u for u in range(n_units) if u not in self.device_units]
         self.store = HostStore(spec, pin=self.dev.cuda, grads_on_host=not self.grads_on_gpu,
-                               grad_staging=2 if self.grads_on_gpu else 0, host_checkpoint_numel=ckpt_numel,
+                               grad_staging=2 if self.grads_on_gpu else 0, host_activation_numel=activation_numel,
                                seed=cfg.seed, host_units=self.host_units)
         layouts = self.store.layouts
         self.master, self.m, self.v = list(self.store.master), list(self.store.m), list(self.store.v)
@@ -123,13 +105,13 @@ class StreamEngine:
         self.slot_version: Dict[int, int] = {}  # id(slot) -> weights version it holds
 
         fused = cfg.engine.fused_kernels
-        self.acc: Dict[int, _Accumulator] = {0: _Accumulator(self.dev, layouts[0], fused),
-                                             L + 1: _Accumulator(self.dev, layouts[-1], fused)}
+        self.acc: Dict[int, GradAccumulator] = {0: GradAccumulator(self.dev, layouts[0], fused),
+                                             L + 1: GradAccumulator(self.dev, layouts[-1], fused)}
         # GPU-updated layers need their own accumulators only when the other layers share a ring
         self.device_accs = {} if self.grads_on_gpu else {
-            u: _Accumulator(self.dev, layouts[u], fused) for u in sorted(self.device_units) if 0 < u <= L}
+            u: GradAccumulator(self.dev, layouts[u], fused) for u in sorted(self.device_units) if 0 < u <= L}
         n_layer_accs = L if self.grads_on_gpu else min(2, L)
-        self.layer_accs = [_Accumulator(self.dev, layer_layouts[0], fused) for _ in range(n_layer_accs)]
+        self.layer_accs = [GradAccumulator(self.dev, layer_layouts[0], fused) for _ in range(n_layer_accs)]
 
         self.norm_offsets, n_tensors = [], 0
         for lay in layouts:
@@ -137,8 +119,8 @@ class StreamEngine:
             n_tensors += len(lay.specs)
         self.norms = torch.zeros(n_tensors, dtype=torch.float32, device=device)
 
-        self.ckpts = CheckpointStore(self.dev, self.h2d, self.d2h, self.store.checkpoints, L, M, self.shape_BTD,
-                                     self.timer)
+        self.activations = ActivationStore(self.dev, self.h2d, self.d2h, self.store.activations, L, M,
+                                           self.shape_BTD, self.timer)
         self.rope = spec.rope(t.seq_len, device)
         self.version = 0  # number of optimizer passes submitted: the weights' generation
         self.updated = [threading.Event() for _ in spec.units]
@@ -151,15 +133,19 @@ class StreamEngine:
         self.optimizer_wait_s = 0.0
 
     # ---- weights --------------------------------------------------------------------------------------------
+    def _check_optimizer(self, waiting_for: str) -> None:
+        """Called while the engine's thread waits on the optimizer thread: raise if that thread has ended."""
+        if self.pending is not None and self.pending.done():
+            self.pending.result()  # re-raises the optimizer thread's exception
+            raise RuntimeError(f"host optimizer finished without {waiting_for}")
+
     def _wait_updated(self, unit: int) -> None:
         ev = self.updated[unit]
         if ev.is_set():
             return
         start, stall = time.perf_counter(), self.timer.stall_begin()
         while not ev.wait(0.5):
-            if self.pending is not None and self.pending.done():
-                self.pending.result()  # re-raises the optimizer thread's exception
-                raise RuntimeError(f"host optimizer finished without updating unit {unit}")
+            self._check_optimizer(f"updating unit {unit}")
         self.timer.stall_end(stall, "optimizer")
         self.optimizer_wait_s += time.perf_counter() - start
 
@@ -183,15 +169,29 @@ class StreamEngine:
                 return slot
         raise RuntimeError("no free layer slot: more units requested at once than engine.slots")
 
-    def _ensure_loaded(self, units: Sequence[int]) -> None:
-        """Make sure each unit's current weights are in (or on their way to) a slot; units[0] is needed now."""
+    def _ensure_loaded(self, units: Sequence[int], busy: Sequence[int], wait: bool = True) -> None:
+        """Make sure each unit's current weights are in (or on their way to) a slot, in order, without evicting a
+        unit of `busy`. A unit whose update of the last step is still pending is waited for, or with `wait=False`
+        ends the call (loads stay in order, so the ring's least-recently-loaded order stays the use order)."""
         for unit in units:
-            slot = self._slot_for(unit, units)
+            slot = self._slot_for(unit, busy)
             if slot.unit == unit and self.slot_version.get(id(slot)) == self.version:
                 continue
+            if not wait and not self.updated[unit].is_set():
+                return
             self._wait_updated(unit)
             self.loader.load(unit, slot)
             self.slot_version[id(slot)] = self.version
+
+    def _load_ahead(self, order: List[int], k: int, wait: bool) -> None:
+        """Queue the loads of the units that follow order[k] in the look-ahead window. Called twice around
+        order[k]'s compute: first without waiting (units already updated start copying at once), then, once that
+        compute is queued, waiting for the host update of order[k + 1] only, the unit the next compute needs: a late
+        update never delays a compute queued before it, and units further ahead load as soon as they are updated."""
+        window = self._window(order, k)
+        if wait:
+            self._ensure_loaded(window[1:2], busy=window)
+        self._ensure_loaded(window[1:], busy=window, wait=False)
 
     def _weights(self, unit: int) -> Dict[str, torch.Tensor]:
         slot = self._slot_for(unit, [unit])
@@ -201,18 +201,23 @@ class StreamEngine:
     def _release(self, unit: int) -> None:
         self._slot_for(unit, [unit]).free.record()
 
-    def _lookahead(self, order: List[int], k: int) -> List[int]:
+    def _window(self, order: List[int], k: int) -> List[int]:
+        """order[k] and the units loaded ahead of it: as many as the ring has other slots."""
         depth = 1 if self.cache_weights else len(self.layer_slots) - 1
         return order[k:k + 1 + depth]
 
+    def _enter(self, order: List[int], k: int) -> Dict[str, torch.Tensor]:
+        """Unit order[k]'s weights for compute (bound views of its slot), loading ahead of it what can be."""
+        self._ensure_loaded(order[k:k + 1], busy=self._window(order, k))
+        self._load_ahead(order, k, wait=False)
+        return self._weights(order[k])
+
     # ---- gradients ------------------------------------------------------------------------------------------
-    def _acc_for(self, unit: int) -> _Accumulator:
+    def _acc_for(self, unit: int) -> GradAccumulator:
         if unit in self.acc:
             return self.acc[unit]
         acc = self.device_accs.get(unit) or self.layer_accs[(unit - 1) % len(self.layer_accs)]
-        if not self.grads_on_gpu:
-            self.timer.wait(acc.d2h_done, "grad_d2h")  # its previous gradient must have left for the host
-        acc.fresh = True
+        acc.claim(self.timer, lambda: self._check_optimizer(f"reading the gradient of unit {unit}"))
         self.acc[unit] = acc
         return acc
 
@@ -222,35 +227,36 @@ class StreamEngine:
             grad_hook(unit, acc.views)
         off = self.norm_offsets[unit]
         self.norms[off:off + len(acc.views)] = optim.tensor_norms(list(acc.views.values()))
+        acc.hand_off()
         if self.grads_on_gpu or unit in self.device_units:
             self.gpu_grads[unit] = acc
             return
-        done = self.dev.event()
+        done, landed = self.dev.event(), self.dev.event()
         done.record()
         with self.dev.on(self.d2h), self.timer.busy(self.d2h, "d2h"):
             self.dev.wait_event(self.d2h, done)
             self.store.grads[unit].copy_(acc.flat, non_blocking=True)
-            acc.d2h_done.record(self.d2h)
-        self.grad_landed[unit] = acc.d2h_done
+            landed.record(self.d2h)
+        acc.read_queued(self.d2h)
+        self.grad_landed[unit] = landed
 
     # ---- the step -------------------------------------------------------------------------------------------
     def _forward(self, ids: List[torch.Tensor], keep: bool) -> List[torch.Tensor]:
         spec, L = self.spec, self.spec.num_layers
         order = list(range(L + 2))
-        self._ensure_loaded(self._lookahead(order, 0))
-        p = self._weights(0)
+        p = self._enter(order, 0)
         with torch.no_grad():
             x = [spec.embed(p, i) for i in ids]
+        self._load_ahead(order, 0, wait=True)
         for k in range(1, L + 1):
-            self._ensure_loaded(self._lookahead(order, k))
-            p = self._weights(k)
+            p = self._enter(order, k)
             with torch.no_grad(), autocast_ctx(self.dev.device, self.compute_dtype):
                 for m in range(len(x)):
                     if keep:
-                        self.ckpts.put(k - 1, m, x[m])
+                        self.activations.put(k - 1, m, x[m])
                     x[m] = spec.layer(p, x[m], self.rope)
             self._release(k)
-        self._ensure_loaded([L + 1])
+            self._load_ahead(order, k, wait=True)  # the last layer's window holds the head
         return x
 
     def _head(self, x: List[torch.Tensor], labels: List[torch.Tensor], n_tokens: int, grad_hook):
@@ -258,7 +264,8 @@ class StreamEngine:
         p = _leaves(self._weights(head))
         tied = _leaves(self.loader.bind(0, self.embed_slot)) if spec.tied else None
         acc, emb_acc = self.acc[head], self.acc[0]
-        acc.fresh = emb_acc.fresh = True
+        for unit, a in ((head, acc), (0, emb_acc)):
+            a.claim(self.timer, lambda unit=unit: self._check_optimizer(f"reading the gradient of unit {unit}"))
         dx, loss_total = [], torch.zeros((), device=self.dev.device)
         names = list(p)
         for x_m, lab in zip(x, labels):
@@ -281,16 +288,15 @@ class StreamEngine:
         spec, L = self.spec, self.spec.num_layers
         order = list(range(L, 0, -1))
         for k, unit in enumerate(order):
-            self._ensure_loaded(self._lookahead(order, k))
-            p = _leaves(self._weights(unit))
+            p = _leaves(self._enter(order, k))
             names = list(p)
             acc = self._acc_for(unit)
             for m in range(len(dx)):
                 if m + 1 < len(dx):
-                    self.ckpts.prefetch(unit - 1, m + 1)
+                    self.activations.prefetch(unit - 1, m + 1)
                 elif k + 1 < len(order):
-                    self.ckpts.prefetch(unit - 2, 0)
-                x_in = self.ckpts.get(unit - 1, m, self.timer).requires_grad_()
+                    self.activations.prefetch(unit - 2, 0)
+                x_in = self.activations.get(unit - 1, m).requires_grad_()
                 with autocast_ctx(self.dev.device, self.compute_dtype):
                     y = spec.layer(p, x_in, self.rope)
                 grads = torch.autograd.grad(y, [x_in] + [p[n] for n in names], grad_outputs=dx[m])
@@ -298,6 +304,7 @@ class StreamEngine:
                 acc.add(dict(zip(names, grads[1:])))
                 del y, grads, x_in
             self._release(unit)
+            self._load_ahead(order, k, wait=True)
             self._finish_grad(unit, grad_hook)
 
     def _embed_backward(self, ids: List[torch.Tensor], dx: List[torch.Tensor], grad_hook) -> None:
@@ -316,7 +323,7 @@ class StreamEngine:
         n_tokens = sum(labels.numel() for _, labels in batches)
         ids = [i.to(self.dev.device, non_blocking=True) for i, _ in batches]
         labels = [lab.to(self.dev.device, non_blocking=True) for _, lab in batches]
-        self.gpu_grads: Dict[int, _Accumulator] = {}
+        self.gpu_grads: Dict[int, GradAccumulator] = {}
         self.grad_landed: Dict[int, object] = {}
         self.timer.reset()
         self.timer.mark("start")
@@ -329,7 +336,7 @@ class StreamEngine:
         self._embed_backward(ids, dx, grad_hook)
         self.timer.mark("backward")
         del dx
-        self.ckpts.clear()
+        self.activations.clear()
 
         total_norm = optim.global_norm(self.norms)
         norm_value = float(total_norm)  # the step's one synchronisation
@@ -342,13 +349,15 @@ class StreamEngine:
         self.version += 1
         for ev in self.updated:
             ev.clear()
-        if not skipped:  # units with their state in GPU memory: updated right here, in compute-stream order
-            for unit in sorted(self.device_units):
-                grad = self.gpu_grads[unit].flat
+        for unit in sorted(self.device_units):  # state in GPU memory: updated right here, in compute-stream order
+            acc = self.gpu_grads[unit]
+            if skipped:
+                acc.release_unread()
+            else:
                 if float(coef) < 1.0:
-                    grad.mul_(coef_dev)
-                self.opt.step_unit(unit, grad, lr)
-        for unit in self.device_units:
+                    acc.flat.mul_(coef_dev)
+                self.opt.step_unit(unit, acc.flat, lr)
+                acc.read_queued(None)
             self.updated[unit].set()
         self.pending = self.pool.submit(self._optimizer_pass, coef, lr, skipped,
                                         dict(self.gpu_grads), dict(self.grad_landed))
@@ -366,6 +375,9 @@ class StreamEngine:
         start = time.perf_counter()
         units = self.host_units
         if skipped or not units:
+            for unit in units:
+                if unit in gpu_grads:
+                    gpu_grads[unit].release_unread()
             for ev in self.updated:
                 ev.set()
             return
@@ -378,6 +390,7 @@ class StreamEngine:
                 buf.copy_(acc.flat, non_blocking=True)
                 ev = self.dev.event()
                 ev.record(self.opt_d2h)
+            acc.read_queued(self.opt_d2h)
             return buf, ev
 
         nxt = fetch(0) if self.grads_on_gpu else None  # the staging pair: fetch unit k+1 while k updates

@@ -1,0 +1,76 @@
+"""Layer-input activations kept from the forward for the backward's recompute, on the GPU or in pinned host memory."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from engine.device import Device
+from engine.streaming.stall_timer import StallTimer
+
+
+class ActivationStore:
+    """The input of every decoder layer for every micro-batch, kept from the forward so the backward can recompute
+    the layer from it (activation checkpointing at layer granularity), on the GPU or in pinned host memory.
+
+    Entry (i, m) is the input of decoder layer i (0-based) for micro-batch m; the head's input never leaves the GPU.
+    Host-tier entries are copied out on the D2H stream once compute has produced them (record_stream keeps the GPU
+    tensor alive for that copy) and fetched back on the H2D stream for the backward, one micro-batch ahead.
+    """
+
+    def __init__(self, dev: Device, h2d_stream, d2h_stream, host_buffer: Optional[torch.Tensor],
+                 num_layers: int, micro_batches: int, shape_BTD: tuple, timer: StallTimer):
+        self.dev, self.h2d, self.d2h, self.timer = dev, h2d_stream, d2h_stream, timer
+        self.shape = shape_BTD
+        self.numel = shape_BTD[0] * shape_BTD[1] * shape_BTD[2]
+        self.on_gpu = host_buffer is None
+        self.gpu: Dict[tuple, torch.Tensor] = {}
+        self.host: Dict[tuple, torch.Tensor] = {}
+        self.pending: Dict[tuple, tuple] = {}
+        if host_buffer is not None:
+            need = num_layers * micro_batches * self.numel
+            if host_buffer.numel() < need:
+                raise ValueError(f"host activation buffer holds {host_buffer.numel()} elements, needs {need}")
+            for i in range(num_layers):
+                for m in range(micro_batches):
+                    k = (i * micro_batches + m) * self.numel
+                    self.host[(i, m)] = host_buffer[k:k + self.numel].view(shape_BTD)
+
+    def put(self, i: int, m: int, x: torch.Tensor) -> None:
+        if self.on_gpu:
+            self.gpu[(i, m)] = x
+            return
+        done = self.dev.event()
+        done.record()
+        with self.dev.on(self.d2h), self.timer.busy(self.d2h, "d2h"):
+            self.dev.wait_event(self.d2h, done)
+            self.host[(i, m)].copy_(x, non_blocking=True)
+            self.dev.record_stream(x, self.d2h)
+
+    def prefetch(self, i: int, m: int) -> None:
+        if self.on_gpu or (i, m) in self.pending:
+            return
+        with self.dev.on(self.h2d), self.timer.busy(self.h2d, "h2d"):
+            x = torch.empty(self.shape, dtype=torch.float32, device=self.dev.device)
+            # the D2H that wrote this entry must be complete: order the streams through an event
+            written = self.dev.event()
+            written.record(self.d2h)
+            self.dev.wait_event(self.h2d, written)
+            x.copy_(self.host[(i, m)], non_blocking=True)
+            ready = self.dev.event()
+            ready.record(self.h2d)
+        self.pending[(i, m)] = (x, ready)
+
+    def get(self, i: int, m: int) -> torch.Tensor:
+        if self.on_gpu:
+            return self.gpu.pop((i, m))
+        self.prefetch(i, m)
+        x, ready = self.pending.pop((i, m))
+        self.timer.wait(ready, "activation")
+        self.dev.record_stream(x, self.dev.current_stream())
+        return x
+
+    def clear(self) -> None:
+        self.gpu.clear()
+        self.pending.clear()

@@ -1,0 +1,85 @@
+"""Weight slots and the copy streams that fill them, and the events that order them.
+
+Three streams: compute (the current stream), H2D (weights and host-tier activations coming in) and D2H
+(gradients and activations going out). The only synchronisation is by events, as DESIGN.md §3 names them:
+- *param ready*: recorded on H2D after a unit's weights landed in a slot; compute waits on it;
+- *buffer free*: recorded on compute after a slot's last use; the next H2D into that slot waits on it;
+- *compute done*: recorded on compute after a gradient (or a kept activation) is final; the D2H copy waits on it.
+The host thread never blocks on the device inside a step, except on the host optimizer's per-unit "updated" flag
+(a weight cannot be streamed before step t's update wrote it) and once per step on the gradient norm.
+
+A slot holds one unit as two buffers: the cast segment of its layout in the compute dtype and the fp32 tail
+(norms, biases, embedding). A load copies the unit's fp32 master from pinned host memory: the tail straight into the
+slot, the cast segment in chunks through one fp32 staging buffer, each chunk cast on the H2D stream (the cast is a
+0.1%-of-the-copy-time kernel, so it does not need a stream of its own). Templates read the slot through views.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from engine.device import Device
+from engine.model.layout import UnitLayout
+from engine.streaming.stall_timer import StallTimer
+
+STAGING_ELEMS = 64 * 2**20  # fp32 elements per H2D chunk of a cast segment (256 MiB)
+
+
+class Slot:
+    def __init__(self, dev: Device, cast_numel: int, tail_numel: int, dtype: torch.dtype):
+        self.cast = dev.empty((cast_numel,), dtype)
+        self.tail = dev.empty((tail_numel,), torch.float32)
+        self.ready = dev.event()
+        self.free = dev.event()
+        self.unit: Optional[int] = None  # which unit's weights the slot holds (valid once `ready` completes)
+
+    def fits(self, layout: UnitLayout) -> bool:
+        return self.cast.numel() >= layout.cast_numel and self.tail.numel() >= layout.numel - layout.cast_numel
+
+
+class WeightLoader:
+    """Brings units' fp32 master weights into GPU slots: from pinned host memory on the H2D stream, or, for units
+    whose master already lives on the GPU (optimizer state in HBM), by a cast on the compute stream, which is where
+    their update ran, so stream order alone makes the cast see the updated weights."""
+
+    def __init__(self, dev: Device, h2d_stream, masters: List[torch.Tensor], layouts: List[UnitLayout],
+                 compute_dtype: torch.dtype, timer: StallTimer):
+        self.dev, self.stream, self.masters, self.layouts, self.timer = dev, h2d_stream, masters, layouts, timer
+        self.dtype = compute_dtype
+        streamed_cast = [lay.cast_numel for lay, m in zip(layouts, masters) if not self._on_device(m)]
+        biggest_cast = max(streamed_cast, default=0)
+        self.staging = dev.empty((min(biggest_cast, STAGING_ELEMS),), torch.float32) if biggest_cast else None
+
+    def _on_device(self, master: torch.Tensor) -> bool:
+        return self.dev.cuda and master.is_cuda
+
+    def new_slot(self, layouts: List[UnitLayout]) -> Slot:
+        return Slot(self.dev, max(lay.cast_numel for lay in layouts),
+                    max(lay.numel - lay.cast_numel for lay in layouts), self.dtype)
+
+    def load(self, unit: int, slot: Slot) -> None:
+        """Queue the copy of `unit` into `slot` behind the slot's last use; records `slot.ready`."""
+        layout, master = self.layouts[unit], self.masters[unit]
+        if not slot.fits(layout):
+            raise ValueError(f"slot too small for unit {unit}")
+        resident = self._on_device(master)
+        stream = None if resident else self.stream
+        tail_n = layout.numel - layout.cast_numel
+        with self.dev.on(stream), self.timer.busy(stream, "h2d" if stream is not None else "cast"):
+            self.dev.wait_event(stream, slot.free)
+            slot.tail[:tail_n].copy_(master[layout.cast_numel:], non_blocking=True)
+            if resident or self.staging is None:
+                slot.cast[:layout.cast_numel].copy_(master[:layout.cast_numel])
+            else:
+                for start in range(0, layout.cast_numel, self.staging.numel()):
+                    n = min(self.staging.numel(), layout.cast_numel - start)
+                    chunk = self.staging[:n]
+                    chunk.copy_(master[start:start + n], non_blocking=True)
+                    slot.cast[start:start + n].copy_(chunk)
+            slot.ready.record(stream)
+        slot.unit = unit
+
+    def bind(self, unit: int, slot: Slot) -> Dict[str, torch.Tensor]:
+        return self.layouts[unit].bind(slot.cast, slot.tail)
