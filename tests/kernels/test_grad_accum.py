@@ -292,14 +292,16 @@ def test_gpu_qwen7b_layer_accumulate(cuda, grad_dtype):
     G.accumulate_layout(layout, a, g, scale=0.123)
     accumulate_reference(b, [g[s.name] for s in layout.specs], layout.offsets, scale=0.123)
     # The kernel fuses the multiply into the add (one rounding); the reference rounds the product, then the sum.
-    # They differ by at most half an ulp of the product plus half an ulp of the sum, which near cancellation is
-    # large relative to the result, so the bound is on those two terms, not on the result.
+    # They differ by at most the product's rounding plus one ulp of the (twice rounded) sum: one ulp of each term
+    # bounds it. Near cancellation that is large relative to the result, so the bound is not relative to it.
     product_abs = torch.zeros_like(flat)
     for spec, off in zip(layout.specs, layout.offsets):
         product_abs[off:off + spec.numel] = (g[spec.name].float() * 0.123).abs().reshape(-1)
     assert torch.equal(torch.isnan(a), torch.isnan(b))
     written = ~torch.isnan(b)
-    assert ((a - b).abs()[written] <= 2.0**-24 * (product_abs + b.abs())[written]).all()
+    ratio = (a - b).abs()[written] / (2.0**-23 * (product_abs + b.abs())[written])
+    print(f"fused vs unfused scale-add: worst error {ratio.max().item():.3f} of the bound")
+    assert ratio.max().item() <= 1.0
 
 
 @pytest.mark.gpu
