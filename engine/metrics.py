@@ -184,7 +184,10 @@ def run_environment() -> dict:
 
 def git_sha() -> str:
     """Short revision of the repository holding this file, "+dirty" when tracked files differ from it. A copy of
-    the tree without .git (e.g. sent to a benchmark machine) can name its revision in STREAMTRAIN_GIT_SHA."""
+    the tree sent to a benchmark machine names its revision in STREAMTRAIN_GIT_SHA, which wins when set: such a
+    copy may carry a stale .git of its own (seen on the GPU machine: rows of 3495094 read "5ef4a7d+dirty")."""
+    if os.environ.get("STREAMTRAIN_GIT_SHA"):
+        return os.environ["STREAMTRAIN_GIT_SHA"]
     repo = Path(__file__).resolve().parent
 
     def git(*args: str) -> str:
@@ -195,7 +198,7 @@ def git_sha() -> str:
         sha = git("rev-parse", "--short", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):  # no git binary, not a repository, or no commit yet
-        return os.environ.get("STREAMTRAIN_GIT_SHA", "unknown")
+        return "unknown"
     return sha + ("+dirty" if dirty else "")
 
 
