@@ -24,6 +24,7 @@ once (KeyboardInterrupt / exit 128+signal); the previous complete checkpoint sta
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import math
@@ -117,16 +118,19 @@ class Trainer:
         gpu_gib = hardware.apply_gpu_cap(cfg.hardware, self.device) if self.device.type == "cuda" else 0.0
         host_gib = cfg.hardware.host_mem_gib or host_mem_total_gib()
         self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, self.device.type == "cuda")
-        self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size)
+        with _refusals_named(f"data={cfg.data.name}" + (f" data.path={cfg.data.path}" if cfg.data.path else "")):
+            self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size)
         self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else self.run_dir / "checkpoints"
         self.fingerprint = checkpoint.run_fingerprint(cfg, self.data.fingerprint)
         # everything a checkpoint can be refused for is checked before the engine allocates
-        resume_from = checkpoint.find_resume(t.resume, self.ckpt_root, log=self.log)
-        restore = checkpoint.open_training_state(resume_from, self.spec, self.fingerprint) if resume_from else None
+        with _refusals_named(f"train.resume={t.resume}"):
+            resume_from = checkpoint.find_resume(t.resume, self.ckpt_root, log=self.log)
+            restore = checkpoint.open_training_state(resume_from, self.spec, self.fingerprint) if resume_from else None
         hf = None
         hf_dir = checkpoint.hf_dir_of(cfg.model.init)
         if restore is None and hf_dir is not None:
-            hf = checkpoint.open_hf(self.spec, hf_dir)
+            with _refusals_named(f"model.init={cfg.model.init}"):
+                hf = checkpoint.open_hf(self.spec, hf_dir)
         self.log.open(self.run_dir)  # nothing can refuse the run from here on
         self.log(f"run dir: {self.run_dir}")
         torch.manual_seed(cfg.seed)  # and the host RNGs, so that their checkpointed states are reproducible too
@@ -270,6 +274,15 @@ class Trainer:
                          + (", checkpoints/)" if self.ckpt_root.is_dir() else ")"))
                 self.log.close()
         return summary
+
+
+@contextlib.contextmanager
+def _refusals_named(field: str):
+    """A refusal of a file (data, checkpoint) names the config field that pointed at it, then the file's problem."""
+    try:
+        yield
+    except (DataError, CheckpointError) as err:
+        raise type(err)(f"{field}: {err}") from None
 
 
 class TrainingDiverged(RuntimeError):

@@ -55,3 +55,12 @@ def test_a_rerun_from_step_0_starts_a_new_metrics_file(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     moved = list(tmp_path.glob("metrics.*.jsonl"))
     assert len(moved) == 1 and moved[0].read_text() == first
+
+
+def test_a_bad_file_is_refused_naming_the_field_that_points_at_it(tmp_path):
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(b"\0" * 7)
+    out = _train(*QUICK, "data=memmap", f"data.path={tokens}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2 and f"error: data=memmap data.path={tokens}: " in out.stderr, out.stderr
+    out = _train(*QUICK, f"train.resume={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2 and f"error: train.resume={tmp_path}: " in out.stderr, out.stderr

@@ -37,14 +37,14 @@ class Unit:
 
 
 class ModelSpec:
-    def __init__(self, model_cfg, attention: str = "auto"):
+    def __init__(self, model_cfg):
         m = model_cfg
         self.cfg = m
         self.arch = dense.DenseArch(
             hidden=m.hidden_size, intermediate=m.intermediate_size, heads=m.num_attention_heads,
             kv_heads=m.num_key_value_heads, head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
             vocab=m.vocab_size, eps=m.rms_norm_eps, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
-            tied=m.tie_word_embeddings, attention=attention)
+            tied=m.tie_word_embeddings)
         self.num_layers = m.num_hidden_layers
         layer_specs = dense.layer_specs(self.arch)
         self.units: List[Unit] = [Unit(0, "embed", UnitLayout("", dense.embed_specs(self.arch)))]

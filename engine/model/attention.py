@@ -1,9 +1,9 @@
 """Causal GQA attention for the layer templates.
 
-`sdpa` is torch's scaled_dot_product_attention with `enable_gqa` (query head j reads kv head j // (nh/kv), the
-grouping of HF's repeat_kv). `flash_attn` is the optional flash-attn package (bf16/fp16 on CUDA only). `auto` takes
-flash_attn when it is installed and applicable, else sdpa; asking for flash_attn where it cannot run is an error,
-never a silent switch to the other path.
+torch's scaled_dot_product_attention with `enable_gqa` (query head j reads kv head j // (nh/kv), the grouping of
+HF's repeat_kv), or the optional flash-attn package where it is installed and applies (bf16/fp16 on CUDA). There
+is no knob yet: choosing a backend per run (`train.attention`, with the Triton kernel of kernels/attention.py among
+the choices, and never a silent switch away from the one asked for) is the long-context issue's work.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "sdpa", "flash_attn")
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
@@ -27,18 +26,11 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
-def causal_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
-                     backend: str = "auto") -> torch.Tensor:
+def causal_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> torch.Tensor:
     """Returns [B, T, nh*hd] in the compute dtype. Scale hd**-0.5, causal, no dropout."""
     dtype = _compute_dtype(q_BHTD)
     B, nh, T, hd = q_BHTD.shape
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
-    use_flash = backend == "flash_attn" or (backend == "auto" and _flash_applicable(q_BHTD, dtype))
-    if use_flash:
-        if not _flash_applicable(q_BHTD, dtype):
-            raise RuntimeError("attention backend flash_attn needs the flash-attn package, a CUDA device and bf16/fp16 "
-                               f"(installed: {HAVE_FLASH_ATTN}, device: {q_BHTD.device}, dtype: {dtype})")
+    if _flash_applicable(q_BHTD, dtype):
         from flash_attn import flash_attn_func
 
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (q_BHTD, k_BHTD, v_BHTD))

@@ -43,7 +43,6 @@ class DenseArch:
     qkv_bias: bool
     qk_norm: bool
     tied: bool
-    attention: str = "auto"
 
 
 def layer_specs(a: DenseArch) -> list[ParamSpec]:
@@ -110,7 +109,7 @@ def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: DenseArch) -> t
     q = apply_rope(q.transpose(1, 2), rope)
     k = apply_rope(k.transpose(1, 2), rope)
     v = v.view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
-    attn = causal_attention(q, k, v, a.attention)
+    attn = causal_attention(q, k, v)
     x_BTD = x_BTD + F.linear(attn, p["self_attn.o_proj.weight"])
     y = rms_norm(x_BTD, p["post_attention_layernorm.weight"], a.eps)
     mlp = F.linear(F.silu(F.linear(y, p["mlp.gate_proj.weight"])) * F.linear(y, p["mlp.up_proj.weight"]),
