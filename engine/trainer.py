@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -333,8 +334,10 @@ def _remove_unused_run_dir(run_dir: Path) -> None:
     if log is not None:
         log.unlink()
     run_dir.rmdir()
-    parent = run_dir.parent  # the dated dir of the default hydra.run.dir, if this was its only run
-    if parent.name[:2].isdigit() and not any(parent.iterdir()):
+    # the default hydra.run.dir is runs/<date>/<time>-...: its dated dir and runs/, if this run made them
+    for parent in (run_dir.parent, run_dir.parent.parent):
+        if not (re.fullmatch(r"\d{4}-\d{2}-\d{2}", parent.name) or parent.name == "runs") or any(parent.iterdir()):
+            break
         parent.rmdir()
 
 
