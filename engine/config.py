@@ -123,7 +123,13 @@ class HardwareConfig:
 
     name: str = MISSING
     device: str = "auto"  # auto | cpu | cuda
-    gpu_mem_gib: float = 0.0  # usable GPU memory; a cap below the card's makes the engine behave like a smaller GPU
+    gpu_mem_gib: float = 0.0  # the card's usable GPU memory (a little below its capacity: the CUDA context)
+    # cap this process's GPU memory at this many GiB (0: none), to see how a run fits a smaller card; the speeds and
+    # the MFU peak stay those of the card the run is on
+    gpu_mem_cap_gib: float = 0.0
+    # a profile describes one card: on another card it is refused, unless this is true (use its figures anyway, e.g.
+    # to plan a run for that card; its gpu_mem_gib then caps the process like gpu_mem_cap_gib)
+    other_card: bool = False
     peak_bf16_tflops: float = 0.0  # dense bf16 matmul peak, the MFU denominator on GPUs
     peak_fp32_tflops: float = 0.0  # the MFU denominator when computing in fp32 (CPU runs)
     h2d_gbps: float = 0.0  # measured pinned host->device bandwidth
@@ -464,8 +470,8 @@ def _validate_train(cfg: DictConfig) -> None:
     _choice("train.export_dtype", t.export_dtype, ("bf16", "fp32"))
 
 
-HARDWARE_FIGURES = ("gpu_mem_gib", "peak_bf16_tflops", "peak_fp32_tflops", "h2d_gbps", "d2h_gbps", "host_mem_gib",
-                    "cpu_adam_gparams_per_s", "achieved_tflops")
+HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "h2d_gbps",
+                    "d2h_gbps", "host_mem_gib", "cpu_adam_gparams_per_s", "achieved_tflops")
 
 
 def _validate_hardware(cfg: DictConfig) -> None:

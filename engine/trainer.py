@@ -111,8 +111,9 @@ class Trainer:
         self.spec.check_expected_params()
         if cfg.plan:  # a plan for the configured hardware, which need not be this machine
             on_gpu = cfg.hardware.device == "cuda" or (cfg.hardware.device == "auto" and torch.cuda.is_available())
-            self.plan = build_plan(self.spec, cfg, cfg.hardware.gpu_mem_gib, cfg.hardware.host_mem_gib
-                                   or host_mem_total_gib(), on_gpu, check=False)
+            host_gib = cfg.hardware.host_mem_gib or host_mem_total_gib()
+            self.plan = build_plan(self.spec, cfg, hardware.usable_gpu_gib(cfg.hardware, 0.0), host_gib, on_gpu,
+                                   check=False)
             return
         self.device = resolve_device(cfg.hardware.device)
         self.compute_dtype = resolve_compute_dtype(t.compute_dtype, self.device)

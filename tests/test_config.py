@@ -169,6 +169,8 @@ BAD = {
     "hardware.device": ["hardware.device=tpu"],
     "hardware.gpu_mem_gib": [*_figures("hardware.gpu_mem_gib"),
                              "hardware.gpu_mem_gib=0 hardware=h200 plan=true"],
+    "hardware.gpu_mem_cap_gib": _figures("hardware.gpu_mem_cap_gib"),
+    "hardware.other_card": ["hardware.other_card=maybe"],
     "hardware.peak_bf16_tflops": _figures("hardware.peak_bf16_tflops"),
     "hardware.peak_fp32_tflops": _figures("hardware.peak_fp32_tflops"),
     "hardware.h2d_gbps": [*_figures("hardware.h2d_gbps"), "hardware.h2d_gbps=0 hardware.achieved_tflops=100"],

@@ -23,3 +23,22 @@ def test_a_refusal_of_one_tier_names_only_that_tier():
         build_plan(ModelSpec(cfg.model), cfg, gpu_gib=24.0, host_gib=125.0, on_gpu=True)
     message = str(e.value).split("\n\n")[-1]
     assert "of gpu memory" in message and "host memory" not in message and "engine=stream" in message
+
+
+def test_a_memory_cap_is_not_another_card(monkeypatch):
+    """On an H200, hardware=rtx3090 would plan with a 3090's speeds: refused, naming the cap that does what was
+    meant; hardware.other_card=true asks for those figures on purpose; the cap keeps the profile's speeds."""
+    from engine import hardware
+    from engine.config import ConfigError
+
+    monkeypatch.setattr(hardware.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hardware.torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    with pytest.raises(ConfigError, match=r"hardware=h200 hardware.gpu_mem_cap_gib=24; .*hardware.other_card=true"):
+        hardware.resolve(make_cfg(["hardware=rtx3090"], validated=False))
+    hardware.resolve(make_cfg(["hardware=rtx3090", "hardware.other_card=true"], validated=False))
+    capped = make_cfg(["hardware=h200", "hardware.gpu_mem_cap_gib=24"], validated=False)
+    hardware.resolve(capped)
+    assert hardware.usable_gpu_gib(capped.hardware, card_gib=140.4) == 24.0
+    assert capped.hardware.achieved_tflops == 480.0  # the H200's figures, not another card's
+    assert hardware.usable_gpu_gib(make_cfg(["hardware=h200"], validated=False).hardware, card_gib=140.4) == 139.0
+    assert hardware.usable_gpu_gib(make_cfg([], validated=False).hardware, card_gib=0.0) == 0.0

@@ -75,7 +75,8 @@ class StreamEngine:
         activations_on_gpu = placement["activation_tier"] == "gpu"
         L, M = spec.num_layers, t.grad_accum
         self.shape_BTD = (t.micro_batch_size, t.seq_len, spec.arch.hidden)
-        activation_numel = 0 if activations_on_gpu else L * M * self.shape_BTD[0] * self.shape_BTD[1] * self.shape_BTD[2]
+        B, T, D = self.shape_BTD
+        activation_numel = 0 if activations_on_gpu else L * M * B * T * D
         n_units = len(spec.units)
         # the leading units (embedding, layer 1, ...) whose master, moments and update live on the GPU
         self.device_units = set(range(placement.get("device_optimizer_units", 0)))

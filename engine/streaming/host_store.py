@@ -8,9 +8,9 @@ two (a 91 GB request would take 128 GB), and m/v are only touched by the CPU opt
 registration time for nothing. On a CPU-only torch nothing is pinned and the layout is the same.
 
 Bytes: 12 per parameter (fp32 master, m, v) of the units whose optimizer runs on the host, plus 4 per parameter for
-gradients when the plan keeps them on the host, plus host-tier layer-input activations, plus a small pinned staging ring for
-gradients kept on the GPU. `bytes_by_kind`
-reports exactly what was allocated; the layout padding (tensors aligned to 64 elements) is included.
+gradients when the plan keeps them on the host, plus host-tier layer-input activations, plus a small pinned staging
+ring for gradients kept on the GPU. `bytes_by_kind` reports exactly what was allocated; the layout padding (tensors
+aligned to 64 elements) is included.
 """
 
 from __future__ import annotations
