@@ -265,13 +265,13 @@ def _load_memmap(data_cfg, seq_len: int, seed: int, model_vocab_size: int) -> Co
     if n_tokens == 0:
         raise DataError(f"{path}: holds no tokens; prepare it from non-empty text")
     tokens = np.memmap(path, dtype="<u4", mode="r")
-    max_id = _max_token_id(tokens, path)
-    if max_id >= model_vocab_size or max_id >= vocab_size:
-        first = int(np.argmax(tokens >= min(model_vocab_size, vocab_size)))
-        raise DataError(f"{path}: token id {max_id} (first bad one at token {first:,}) is out of range: the sidecar "
-                        f"says vocab_size={vocab_size} and model.vocab_size={model_vocab_size}, so ids must be below "
-                        f"{min(model_vocab_size, vocab_size)}; the file was not written by this tokenizer, or is "
-                        "corrupt; rewrite it with " + _PREPARE_HINT.format(path=path))
+    limit = min(model_vocab_size, vocab_size)
+    max_id, first_bad = _scan_token_ids(tokens, path, limit)
+    if first_bad is not None:
+        raise DataError(f"{path}: token id {max_id} (first bad one at token {first_bad:,}) is out of range: the "
+                        f"sidecar says vocab_size={vocab_size} and model.vocab_size={model_vocab_size}, so ids must be "
+                        f"below {limit}; the file was not written by this tokenizer, or is corrupt; rewrite it with "
+                        + _PREPARE_HINT.format(path=path))
     description = dict(source="memmap", path=os.path.abspath(path), sidecar=os.path.abspath(side),
                        tokenizer=meta.get("tokenizer"), tokenizer_sha256=meta.get("tokenizer_sha256"),
                        separator=meta.get("separator"), sources=meta.get("sources"), max_token_id=max_id)
@@ -279,16 +279,22 @@ def _load_memmap(data_cfg, seq_len: int, seed: int, model_vocab_size: int) -> Co
                       fingerprint=f"{fingerprint}-max{max_id}", description=description)
 
 
-def _max_token_id(tokens: np.ndarray, path: str, chunk_tokens: int = 256 << 20, progress_every_s: float = 5.0) -> int:
-    """The largest id of a token file, read in chunks (bounded memory), with progress lines on a long scan."""
-    max_id, t0, last_report = 0, time.monotonic(), time.monotonic()
+def _scan_token_ids(tokens: np.ndarray, path: str, limit: int, chunk_tokens: int = 256 << 20,
+                    progress_every_s: float = 5.0) -> Tuple[int, Optional[int]]:
+    """(largest id, position of the first id >= limit or None) of a token file, in one pass over chunks (bounded
+    memory), with progress lines on a long scan."""
+    max_id, first_bad, t0, last_report = 0, None, time.monotonic(), time.monotonic()
     for start in range(0, len(tokens), chunk_tokens):
-        max_id = max(max_id, int(tokens[start:start + chunk_tokens].max()))
+        chunk = tokens[start:start + chunk_tokens]
+        chunk_max = int(chunk.max())
+        if first_bad is None and chunk_max >= limit:
+            first_bad = start + int(np.argmax(chunk >= limit))
+        max_id = max(max_id, chunk_max)
         if time.monotonic() - last_report >= progress_every_s:
             print(f"{path}: checking token ids, {start + chunk_tokens:,}/{len(tokens):,} "
                   f"({time.monotonic() - t0:.0f}s)", file=sys.stderr, flush=True)
             last_report = time.monotonic()
-    return max_id
+    return max_id, first_bad
 
 
 def _load_synthetic(data_cfg, seq_len: int, seed: int, model_vocab_size: int) -> SyntheticData:

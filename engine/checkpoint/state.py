@@ -251,7 +251,7 @@ def save_training_state(engine, root: Path, step: int, state: dict, keep: int = 
                     items.append((f"{kind}.{unit.layout.prefix}{s.name}", t.dtype, tuple(s.shape), t))
             fname = unit_file_name(unit)
             nbytes, sha = write_safetensors(tmp / fname, items, {"format": "pt", "unit": str(unit.index),
-                                                                         "adam_step": repr(float(st["step"]))})
+                                                                 "adam_step": repr(float(st["step"]))})
             files[fname] = {"bytes": nbytes, "sha256": sha}
             units.append({"index": unit.index, "name": unit.name, "file": fname, "adam_step": float(st["step"]),
                           "moments": bool(st["exp_avg"])})
@@ -287,13 +287,19 @@ class TrainingCheckpoint:
         return int(self.state["step"])
 
 
-def _verify_file(ckpt_dir: Path, name: str, meta: dict) -> None:
+def _check_listed(ckpt_dir: Path, name: str, meta: dict) -> Path:
+    """The manifest's cheap checks of one file: present, and of the listed size."""
     path = ckpt_dir / name
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (listed in {ckpt_dir / MANIFEST})")
     size = path.stat().st_size
     if size != meta.get("bytes"):
         raise CheckpointError(f"{path}: truncated or overwritten: {size} bytes, {MANIFEST} says {meta.get('bytes')}")
+    return path
+
+
+def _verify_file(ckpt_dir: Path, name: str, meta: dict) -> None:
+    path = _check_listed(ckpt_dir, name, meta)
     if sha256_file(path) != meta.get("sha256"):
         raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from {MANIFEST}): the file is corrupt")
 
@@ -313,12 +319,7 @@ def open_training_state(path: Path, spec=None, fingerprint: Optional[dict] = Non
     if TRAINER_STATE not in files:
         raise CheckpointError(f"{path / MANIFEST}: does not list {TRAINER_STATE}")
     for name, meta in files.items():  # cheap checks first: missing and truncated files
-        p = path / name
-        if not p.is_file():
-            raise CheckpointError(f"{p}: missing (listed in {path / MANIFEST})")
-        if p.stat().st_size != meta.get("bytes"):
-            raise CheckpointError(f"{p}: truncated or overwritten: {p.stat().st_size} bytes, {MANIFEST} says "
-                                  f"{meta.get('bytes')}")
+        _check_listed(path, name, meta)
     state = read_json(path / TRAINER_STATE, "")
     if fingerprint is not None:
         diffs = fingerprint_differences(state.get("fingerprint", {}), fingerprint)
