@@ -66,6 +66,32 @@ GRIDS = {
         ("qwen7b-stream-16k-auto", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                     "train.micro_batch_size=2", "train.grad_accum=2"]),
     ],
+    # issue 17: stream (planner's three-place split) next to the compiled reference at 64K and 16K tokens per step
+    "perf17": [
+        ("qwen7b-stream-64k", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
+                               "train.micro_batch_size=2", "train.grad_accum=8"]),
+        ("qwen7b-reference-64k", ["model=qwen7b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=4",
+                                  "train.micro_batch_size=2", "train.grad_accum=8"]),
+        ("qwen7b-stream-16k", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
+                               "train.micro_batch_size=2", "train.grad_accum=2"]),
+        ("qwen7b-reference-16k", ["model=qwen7b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=6",
+                                  "train.micro_batch_size=2", "train.grad_accum=2"]),
+    ],
+    # issue 17: the planner on configurations the calibration (qwen7b layer, 2 x 4096, bench/calibrate.py) never saw
+    "planner17": [
+        ("qwen3b-stream-32k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
+                               "train.micro_batch_size=8", "train.grad_accum=1"]),
+        ("qwen3b-stream-64k-eager", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
+                                     "train.micro_batch_size=4", "train.grad_accum=4", "train.compile=off"]),
+        ("qwen7b-stream-16k-eager", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=5",
+                                     "train.micro_batch_size=2", "train.grad_accum=2", "train.compile=off"]),
+        ("qwen7b-stream-64k-mb4", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
+                                   "train.micro_batch_size=4", "train.grad_accum=4"]),
+        ("qwen7b-stream-capped24gb-16k", ["model=qwen7b", "engine=stream", "hardware.gpu_mem_cap_gib=24", *THROUGHPUT,
+                                          SEQ, "train.steps=5", "train.micro_batch_size=1", "train.grad_accum=4"]),
+        ("qwen3b-stream-16k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
+                               "train.micro_batch_size=2", "train.grad_accum=2"]),
+    ],
     # issue 16: the paths the review asked to see complete on the GPU: a 24 GB cap, and gradients on the host with
     # every unit updated by the host AdamW (the last gradient D2H is still in flight when the step's timer is read)
     "housekeeping": [
@@ -73,10 +99,10 @@ GRIDS = {
                                           SEQ, "train.steps=6", "train.micro_batch_size=1", "train.grad_accum=4"]),
         ("qwen3b-stream-hostgrads-hostadam-32k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                                   "train.micro_batch_size=2", "train.grad_accum=4",
-                                                  "engine.grads_tier=host", "engine.device_optimizer_units=0"]),
+                                                  "engine.grads_tier=host", "engine.gpu_resident_units=0"]),
         ("qwen7b-stream-hostgrads-hostadam-16k", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                                   "train.micro_batch_size=2", "train.grad_accum=2",
-                                                  "engine.grads_tier=host", "engine.device_optimizer_units=0"]),
+                                                  "engine.grads_tier=host", "engine.gpu_resident_units=0"]),
     ],
     # issue 3: the same model on a GPU capped at 24 GB (host RAM limits this one to 16K tokens per step)
     "rtx3090": [
@@ -130,19 +156,33 @@ def run_job(name: str, overrides: list, workdir: Path, timeout_s: int) -> dict:
         "losses": [s.get("loss") for s in steps], "initial_val_loss": summary.get("initial_val_loss"),
         "final_val_loss": summary.get("final_val_loss"), "placement": cfg.get("plan_placement"),
         "skipped_steps": summary.get("skipped_steps"),
+        "plan_step_s": (summary.get("plan_times_s") or {}).get("step"),
+        "plan_gpu_gib": (summary.get("memory_plan_gib") or {}).get("gpu"),
+        "plan_host_gib": (summary.get("memory_plan_gib") or {}).get("host"),
     })
     for key in sorted({k for s in timed for k in s if k.endswith("_s") and k not in ("step_s",)}):
         row[f"median_{key}"] = _median(timed, key)
     return row
 
 
-def add_ratios(rows: list) -> None:
+def add_ratios(rows: list, peer_rows: list = ()) -> None:
+    """`ratio_vs_reference` against the reference engine's row of the same model, tokens per step and hardware, and
+    `ratio_vs_<system>` against each peer row (bench/peers/) of the same model and tokens per step; every row
+    compared comes from the same call."""
     ref = {(r["model"], r["tokens_per_step"], r["hardware"]): r for r in rows
            if r.get("engine") == "reference" and r.get("tokens_per_s")}
     for r in rows:
+        if not r.get("tokens_per_s"):
+            continue
         base = ref.get((r.get("model"), r.get("tokens_per_step"), r.get("hardware")))
-        if base is not None and r is not base and r.get("tokens_per_s"):
+        if base is not None and r is not base:
             r["ratio_vs_reference"] = r["tokens_per_s"] / base["tokens_per_s"]
+        for peer in peer_rows:
+            if (peer.get("model"), peer.get("tokens_per_step")) == (r.get("model"), r.get("tokens_per_step")):
+                key = f"ratio_vs_{peer['system']}"
+                r[key] = r["tokens_per_s"] / peer["tokens_per_s"] if peer.get("tokens_per_s") else None
+                if not peer.get("tokens_per_s"):
+                    r[f"{key}_why"] = peer.get("error", "the peer row has no tokens_per_s")
 
 
 def main() -> None:
@@ -152,6 +192,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="runs/bench", help="where the jobs' run dirs and logs go")
     ap.add_argument("--timeout-s", type=int, default=900, help="per job")
     ap.add_argument("--only", action="append", help="run just the jobs whose name contains one of these")
+    ap.add_argument("--peers", help="JSONL of bench/peers/ rows measured in this same call: adds ratio_vs_<system>")
     args = ap.parse_args()
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -188,19 +229,28 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
         status = row.get("error") or f"{row.get('tokens_per_s') or 0:,.0f} tok/s, {row.get('tflops') or 0:.1f} TFLOPS"
         print(f"[bench] {name}: {status}", flush=True)
-    add_ratios(rows)
+    peer_rows = [json.loads(line) for line in Path(args.peers).read_text().splitlines() if line.strip()] \
+        if args.peers and Path(args.peers).exists() else []
+    add_ratios(rows, peer_rows)
     with open(out, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"\n{'job':30} {'tok/s':>10} {'step s':>8} {'TFLOPS':>8} {'MFU':>6} {'GPU GiB':>8} {'host GiB':>9}  ratio")
+    print(f"\n{'job':30} {'tok/s':>10} {'step s':>8} {'plan s':>7} {'TFLOPS':>8} {'MFU':>6} {'GPU GiB':>8} "
+          f"{'plan':>6} {'host GiB':>9} {'plan':>6}  ratios")
     for r in rows:
         if r.get("error"):
             print(f"{r['job']:30} ERROR {r['error']}")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
-        ratio = f"{r['ratio_vs_reference']:.2f}" if "ratio_vs_reference" in r else ""
-        print(f"{r['job']:30} {r['tokens_per_s']:>10,.0f} {r['step_s']:>8.2f} {r['tflops']:>8.1f} {mfu:>6} "
-              f"{r['gpu_mem_gib']:>8.1f} {r['host_mem_gib']:>9.1f}  {ratio}")
+        ratios = " ".join(f"{k[len('ratio_vs_'):]} {v:.2f}" for k, v in r.items()
+                          if k.startswith("ratio_vs_") and isinstance(v, float))
+
+        def fmt(key, width, digits):
+            return f"{r[key]:>{width}.{digits}f}" if isinstance(r.get(key), (int, float)) else f"{'-':>{width}}"
+
+        print(f"{r['job']:30} {r['tokens_per_s']:>10,.0f} {fmt('step_s', 8, 2)} {fmt('plan_step_s', 7, 2)} "
+              f"{fmt('tflops', 8, 1)} {mfu:>6} {fmt('gpu_mem_gib', 8, 1)} {fmt('plan_gpu_gib', 6, 1)} "
+              f"{fmt('host_mem_gib', 9, 1)} {fmt('plan_host_gib', 6, 1)}  {ratios}")
     partial.unlink()
 
 

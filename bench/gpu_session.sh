@@ -23,6 +23,18 @@ for stage in "$@"; do
               --workdir /tmp/bench --timeout-s 200 2>&1 | tail -10 ;;
     attention) timeout 300 python3 bench/bench_attention.py --seq-lens 8192 32768 131072 \
                  --out "$OUT/attention.jsonl" 2>&1 | tail -12 ;;
+    streamtests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+                   tests/test_stream_gpu.py > "$OUT/gpu_stream_tests.log" 2>&1; tail -30 "$OUT/gpu_stream_tests.log" ;;
+    perf17) timeout 560 python3 bench/bench_engine.py --grid perf17 --out "$OUT/engine.jsonl" \
+              --workdir /tmp/bench --timeout-s 170 2>&1 | tail -10 ;;
+    planner17) timeout 560 python3 bench/bench_engine.py --grid planner17 --out "$OUT/engine.jsonl" \
+                 --workdir /tmp/bench --timeout-s 120 --peers "$OUT/peers.jsonl" 2>&1 | tail -12 ;;
+    peers3b) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+               .whl/peers/*.whl
+             for peer in all_on_gpu fsdp2_offload deepspeed_zero3; do
+               timeout 200 python3 bench/peers/$peer.py --model qwen3b --micro-batch-size 8 --grad-accum 1 \
+                 --out "$OUT/peers.jsonl" 2>&1 | tail -2
+             done ;;
     peers) timeout 200 python3 bench/peers/all_on_gpu.py --model qwen7b --micro-batch-size 2 --grad-accum 8 \
              --out "$OUT/peers.jsonl" 2>&1 | tail -3 ;;
   esac

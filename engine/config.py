@@ -51,7 +51,10 @@ class ConfigError(ValueError):
 
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-RENAMED = {"engine.checkpoint_tier": "engine.activation_tier"}
+RENAMED = {"engine.checkpoint_tier": "engine.activation_tier",
+           "engine.device_optimizer_units": "engine.gpu_resident_units",
+           "hardware.achieved_tflops": "hardware.fwd_tflops_compiled / bwd_tflops_compiled / head_tflops_compiled "
+                                       "(and the _eager ones), measured by bench/calibrate.py"}
 
 
 @dataclass
@@ -132,11 +135,22 @@ class HardwareConfig:
     other_card: bool = False
     peak_bf16_tflops: float = 0.0  # dense bf16 matmul peak, the MFU denominator on GPUs
     peak_fp32_tflops: float = 0.0  # the MFU denominator when computing in fp32 (CPU runs)
-    h2d_gbps: float = 0.0  # measured pinned host->device bandwidth
-    d2h_gbps: float = 0.0
     host_mem_gib: float = 0.0  # host RAM the run may use; 0: the machine's MemTotal
-    cpu_adam_gparams_per_s: float = 0.0  # fused CPU AdamW throughput
-    achieved_tflops: float = 0.0  # what the engine's layer matmuls sustain (measured); the planner's time model
+    # Measured by bench/calibrate.py on the machine (the planner's time model; 0: unknown). TFLOPS count model FLOPs
+    # (engine/metrics.py) of one decoder layer's forward, its backward (recompute included: 3x the forward's FLOPs)
+    # and the head's forward + backward, with compiled or eager templates.
+    fwd_tflops_compiled: float = 0.0
+    bwd_tflops_compiled: float = 0.0
+    head_tflops_compiled: float = 0.0
+    fwd_tflops_eager: float = 0.0
+    bwd_tflops_eager: float = 0.0
+    head_tflops_eager: float = 0.0
+    h2d_gbps: float = 0.0  # pinned host->device, alone
+    d2h_gbps: float = 0.0  # pinned device->host, alone
+    bidir_gbps: float = 0.0  # both directions at once, total
+    cpu_adam_gparams_per_s: float = 0.0  # fused CPU AdamW, alone
+    cpu_adam_gparams_per_s_under_pcie: float = 0.0  # the same while both PCIe directions stream
+    calibration: str = ""  # where the measured figures come from (written by bench/calibrate.py)
 
 
 @dataclass
@@ -165,9 +179,12 @@ class EngineConfig:
     grads_tier: str = "auto"  # stream: where full gradients wait for the global norm: auto | gpu | host
     activation_tier: str = "auto"  # stream: where layer-input activations wait for the backward: auto | gpu | host
     cache_weights: str = "auto"  # stream: keep a layer's compute-dtype weights on the GPU from forward to backward
-    # stream: how many leading units (embedding, layer 1, ...) keep optimizer state on the GPU and update there;
-    # -1: as many as the planner's time model needs so the host AdamW never stalls the forward
-    device_optimizer_units: int = -1
+    # stream: the three update places (DESIGN.md §4), in forward order. The first `gpu_resident_units` units
+    # (embedding, layer 1, ...) keep master and moments in GPU memory; the next `gpu_streamed_units` keep them in host
+    # RAM and are updated on the GPU as the next forward loads them; the rest are updated by the host AdamW.
+    # -1: the planner's split (the fastest predicted step that fits)
+    gpu_resident_units: int = -1
+    gpu_streamed_units: int = -1
     fused_kernels: bool = True  # stream: Triton gradient accumulation (kernels/grad_accum.py); off: torch ops
 
 
@@ -351,7 +368,8 @@ def validate(cfg: DictConfig) -> None:
     for key in ("grads_tier", "activation_tier"):
         _choice(f"engine.{key}", e[key], ("auto", "gpu", "host"))
     _choice("engine.cache_weights", e.cache_weights, ("auto", "on", "off"))
-    _positive("engine.device_optimizer_units", e.device_optimizer_units, -1)
+    _positive("engine.gpu_resident_units", e.gpu_resident_units, -1)
+    _positive("engine.gpu_streamed_units", e.gpu_streamed_units, -1)
     if e.name == "stream" and not cfg.train.activation_checkpointing:
         raise ConfigError("train.activation_checkpointing=false does not apply to engine=stream, which always keeps "
                           "layer inputs and recomputes each layer in the backward; engine=reference honours false")
@@ -470,8 +488,10 @@ def _validate_train(cfg: DictConfig) -> None:
     _choice("train.export_dtype", t.export_dtype, ("bf16", "fp32"))
 
 
-HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "h2d_gbps",
-                    "d2h_gbps", "host_mem_gib", "cpu_adam_gparams_per_s", "achieved_tflops")
+TFLOPS_FIGURES = tuple(f"{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd", "head"))
+TRANSFER_FIGURES = ("h2d_gbps", "d2h_gbps", "bidir_gbps", "cpu_adam_gparams_per_s", "cpu_adam_gparams_per_s_under_pcie")
+HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
+                    *TFLOPS_FIGURES, *TRANSFER_FIGURES)
 
 
 def _validate_hardware(cfg: DictConfig) -> None:
@@ -480,11 +500,19 @@ def _validate_hardware(cfg: DictConfig) -> None:
     _choice("hardware.device", hw.device, ("auto", "cpu", "cuda"))
     for key in HARDWARE_FIGURES:
         _real(f"hardware.{key}", hw[key], 0, why=" (0: unknown)")
-    if hw.achieved_tflops > 0:
-        for key in ("h2d_gbps", "d2h_gbps", "cpu_adam_gparams_per_s"):
+    for mode in ("compiled", "eager"):
+        mode_keys = [k for k in TFLOPS_FIGURES if k.endswith(mode)]
+        known = [k for k in mode_keys if hw[k] > 0]
+        if known and len(known) < len(mode_keys):
+            missing = [k for k in mode_keys if k not in known]
+            raise ConfigError(f"hardware.{missing[0]}={hw[missing[0]]} while hardware.{known[0]}={hw[known[0]]}: "
+                              f"the {mode} figures are used together; set all of {', '.join(mode_keys)} "
+                              "(bench/calibrate.py measures them) or none")
+    if any(hw[k] > 0 for k in TFLOPS_FIGURES):
+        for key in TRANSFER_FIGURES:
             _real(f"hardware.{key}", hw[key], 0, low_open=True,
-                  why=" when hardware.achieved_tflops > 0: the planner's step-time model divides by it (set it, or "
-                      "hardware.achieved_tflops=0 for no prediction)")
+                  why=" when TFLOPS figures are set: the planner's step-time model divides by it (bench/calibrate.py "
+                      "measures it), or set the TFLOPS figures to 0 for no prediction")
     if hw.device == "cuda" and cfg.plan:
         _real("hardware.gpu_mem_gib", hw.gpu_mem_gib, 0, low_open=True,
               why=f" for plan=true with hardware={hw.name}: it is the GPU memory planned for")

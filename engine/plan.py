@@ -3,38 +3,39 @@
 Memory. For `engine=reference` everything sits on the compute device: fp32 master, gradient and two moments
 (16 B/param), one kept layer input per layer per micro-batch and one layer's working activations.
 
-For `engine=stream` the host holds fp32 master, m and v (12 B/param). The GPU holds the fixed working set: the H2D
-staging buffer, the embedding and head slots, a ring of `engine.slots` layer slots, accumulators for the embedding,
-the head and two layers, the residual stream (and its gradient) of every micro-batch, and one layer's working
-activations. What is left of the GPU budget is spent in this order of benefit (DESIGN.md §4):
+For `engine=stream` each unit is updated in one of three places (DESIGN.md §4), in forward order: the first
+`gpu_resident_units` keep fp32 master, m and v (12 B/param) in HBM; the next `gpu_streamed_units` keep them in host
+RAM (pinned) and are updated on the GPU as the next forward loads them; the rest are updated by the host AdamW. The
+GPU holds the fixed working set: the H2D staging buffer, the embedding and head slots, a ring of `engine.slots`
+layer slots, accumulators for the embedding, the head and two layers, the residual stream (and its gradient) of
+every micro-batch, and one layer's working activations. What is left of the GPU budget is spent in this order:
 1. layer-input activations kept for the recompute (else pinned host memory, paid for with PCIe traffic);
-2. full gradients waiting for the global norm, if the host could not hold them;
-3. the optimizer state of the leading units (embedding, layer 1, ...): their update runs on the GPU, which
-   takes work off the host AdamW, the one thing that can stall the next forward; as many as the time model says
-   are needed for the host to stay ahead of the forward;
+2. full gradients waiting for the global norm, if the host could not hold them (or the config says so);
+3. the split of the units among the three places: every split that fits is predicted with the time model and the
+   fastest is taken (among those within 1% of it, the one with the fewest GPU bytes);
 4. every layer's compute-dtype weights from forward to backward (saves the backward's H2D);
 5. gradients anyway (saves 4 B/param of host RAM).
-Any `engine.*` placement set explicitly overrides `auto`. A plan that does not fit raises PlanError with the table.
+Any `engine.*` placement set explicitly overrides `auto` / -1. A plan that does not fit raises PlanError with the
+table.
 
-Time. `predict` models one step from the hardware profile: layer compute at `hardware.achieved_tflops` (what the
-engine's matmuls sustain, measured), transfers at `h2d_gbps`/`d2h_gbps`, the host AdamW at
-`cpu_adam_gparams_per_s` slowed by HOST_CONTENTION while PCIe streams (device.md: 0.23 s alone vs 0.32 s under
-bidirectional streaming). Per layer, compute and its transfers overlap, so a layer costs the larger of the two.
-The host update of step t runs unit by unit while step t+1's forward needs unit k at a given time; the model
-replays that race and reports the forward's exposed wait. The binding resource is the one with the most busy time.
-Activation working-set figures are estimates (bytes per token per layer, from the tensors autograd keeps in
-`decoder_layer`); `margin_gib` covers allocator fragmentation and the CUDA context.
+Time. `predict_stream` models one step from the calibrated figures of the hardware profile (bench/calibrate.py
+measures them on the machine, for compiled and for eager templates: the planner uses the mode the run executes in,
+never a figure fitted on the run it predicts): layer forward and backward (recompute included) TFLOPS, the head's,
+H2D/D2H alone and both at once, the host AdamW alone and under PCIe load. The forward is a pipeline of the H2D
+stream, the D2H stream, the host AdamW and compute (see `predict_stream`); `exposed_wait` is the forward's time
+beyond its compute. Activation working-set figures are estimates (bytes per token per layer, from the tensors
+autograd keeps in `decoder_layer`); `margin_gib` covers allocator fragmentation and the CUDA context.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from engine.metrics import model_flops_per_token
 
 GIB = 2**30
-HOST_CONTENTION = 0.72  # host AdamW rate while both PCIe directions stream, relative to alone (device.md)
+HBM_ADAMW_BYTES_PER_S = 3.0e12  # fused CUDA AdamW: ~28 B/param of HBM traffic at about 3 TB/s
 STEP_OVERHEAD_S = 0.03  # per step: norm synchronisation, optimizer hand-off, Python
 
 
@@ -50,6 +51,7 @@ class MemoryPlan:
     limits_gib: Dict[str, float] = field(default_factory=dict)
     times_s: Dict[str, float] = field(default_factory=dict)
     binding: str = ""
+    speeds: str = ""  # where the time model's figures come from
 
     def add(self, tier: str, item: str, nbytes: int) -> None:
         self.rows.append((tier, item, int(nbytes)))
@@ -70,18 +72,19 @@ class MemoryPlan:
                 f"train.grad_accum, train.seq_len), {alternatives}.")
 
     def table(self) -> str:
-        lines = [f"memory plan (engine={self.engine})", f"{'tier':6} {'item':56} {'GiB':>10}"]
+        lines = [f"memory plan (engine={self.engine})", f"{'tier':6} {'item':66} {'GiB':>10}"]
         for tier, item, nbytes in self.rows:
-            lines.append(f"{tier:6} {item:56} {nbytes / GIB:10.3f}")
+            lines.append(f"{tier:6} {item:66} {nbytes / GIB:10.3f}")
         for tier in ("gpu", "host"):
             limit = self.limits_gib.get(tier)
             lim = f" of {limit:.1f} GiB" if limit else ""
-            lines.append(f"{tier:6} {'TOTAL':56} {self.total(tier) / GIB:10.3f}{lim}")
+            lines.append(f"{tier:6} {'TOTAL':66} {self.total(tier) / GIB:10.3f}{lim}")
         if self.placement:
             lines.append("placement: " + ", ".join(f"{k}={v}" for k, v in self.placement.items()))
         if self.times_s:
             lines.append("predicted step: " + ", ".join(f"{k} {v:.3f}s" for k, v in self.times_s.items())
                          + f"; bound by {self.binding}")
+            lines.append(self.speeds)
         return "\n".join(lines)
 
 
@@ -147,67 +150,143 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     plan.add(tier, "layer-input activations (one micro-batch)",
              (s.L if t.activation_checkpointing else 0) * 4 * s.h * s.mb_tokens)
     plan.add(tier, "working activations (one layer + loss chunk)", s.act * (1 if t.activation_checkpointing else s.L))
-    if on_gpu and hw.achieved_tflops:
-        tf = hw.achieved_tflops * 1e12
+    sp = Speeds(hw, runs_compiled(cfg, on_gpu))
+    if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0
-        plan.times_s = {"forward": s.L * s.layer_fwd_flops / tf, "head": s.head_flops / tf,
-                        "backward": (2 + recompute) * s.L * s.layer_fwd_flops / tf,
-                        "optimizer": 28 * n / (3.0e12)}  # fused AdamW: 28 B/param through HBM
+        plan.times_s = {"forward": s.L * s.layer_fwd_flops / sp.fwd, "head": s.head_flops / sp.head,
+                        "backward": s.L * (2 + recompute) * s.layer_fwd_flops / sp.bwd,
+                        "optimizer": 28 * n / HBM_ADAMW_BYTES_PER_S}
         plan.times_s["step"] = sum(plan.times_s.values()) + STEP_OVERHEAD_S
         plan.binding = "GPU compute"
+        plan.speeds = f"speeds: {sp.mode} figures of hardware={hw.name} ({hw.calibration or 'not calibrated'})"
     return plan
 
 
-def predict_stream(spec, cfg, s: _Shape, placement: dict) -> Tuple[Dict[str, float], str, float]:
-    """(phase times, binding resource, forward's exposed wait on the host optimizer) for a stream placement."""
-    hw = cfg.hardware
-    tf, h2d, d2h = hw.achieved_tflops * 1e12, hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
-    adam = hw.cpu_adam_gparams_per_s * 1e9 * HOST_CONTENTION
-    n_dev = placement["device_optimizer_units"]
+class Speeds:
+    """The profile's calibrated figures (bench/calibrate.py) for the mode the run executes in: compiled templates or
+    eager. `known` is false when the profile has none for that mode (no time prediction, no split search)."""
+
+    def __init__(self, hw, compiled: bool):
+        mode = "compiled" if compiled else "eager"
+        self.mode = mode
+        self.fwd, self.bwd, self.head = (hw[f"{k}_tflops_{mode}"] * 1e12 for k in ("fwd", "bwd", "head"))
+        self.h2d, self.d2h, self.bidir = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9, hw.bidir_gbps * 1e9
+        self.adam, self.adam_pcie = hw.cpu_adam_gparams_per_s * 1e9, hw.cpu_adam_gparams_per_s_under_pcie * 1e9
+        self.known = min(self.fwd, self.bwd, self.head) > 0
+
+
+def runs_compiled(cfg, on_gpu: bool) -> bool:
+    """Whether the templates will be torch.compiled (engine/trainer.py decides the same way)."""
+    return cfg.train.compile == "on" or (cfg.train.compile == "auto" and on_gpu)
+
+
+def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, float], str]:
+    """(phase times, binding resource) of one streamed step under `placement`.
+
+    Forward: a pipeline of three resources in unit order. The H2D stream brings unit u in (nothing for a GPU-resident
+    unit, its fp32 master for a host-updated one, master + m + v for a GPU-streamed one, whose state also goes back
+    over D2H; both directions then share the link's bidirectional rate); a load starts once the host AdamW has
+    updated the unit, its slot is free (the ring holds `slots` units) and, for a streamed unit, its staging buffer is
+    free (two buffers, freed by the D2H). Compute runs each unit when its weights are in. The host AdamW updates its
+    units in order from the start of the forward, at its rate under PCIe load. Exposed wait: forward time beyond its
+    compute. Backward: per layer the larger of its compute and its transfers. The binding resource has the most
+    busy time."""
+    n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]
     cached = placement["cache_weights"] == "on"
     grads_host = placement["grads_tier"] == "host"
     activations_host = placement["activation_tier"] == "host"
-    units = range(len(s.layouts))
-    streamed = [0 if u < n_dev else 4 * s.layouts[u].numel for u in units]  # fp32 master over PCIe
-    compute = [0.0] * len(s.layouts)
-    for u in range(1, s.L + 1):
-        compute[u] = s.layer_fwd_flops / tf
-    layer_input_bytes = 4 * s.h * s.step_tokens  # one layer's inputs, all micro-batches
-    fwd_extra = layer_input_bytes / d2h if activations_host else 0.0
+    n_units = len(s.layouts)
+    numel = [lay.numel for lay in s.layouts]
+    place = ["resident" if u < n_res else "streamed" if u < n_res + n_str else "host" for u in range(n_units)]
+    link_each = min(sp.h2d, sp.d2h, sp.bidir / 2)  # each direction's rate while both stream
+    layer_input_bytes = 4 * s.h * s.step_tokens  # one layer's kept inputs, all micro-batches
+    compute = [s.layer_fwd_flops / sp.fwd if 1 <= u <= s.L else 0.0 for u in range(n_units)]
 
-    # the race: host update of unit u (in order, host units only) against the forward's need for it
-    host_done, clock = [0.0] * len(s.layouts), 0.0
-    for u in units:
-        if u >= n_dev:
-            clock += s.layouts[u].numel / adam
+    host_done, clock = [0.0] * n_units, 0.0
+    for u in range(n_units):
+        if place[u] == "host":
+            clock += numel[u] / sp.adam_pcie
         host_done[u] = clock
-    t_fwd, busy = 0.0, 0.0
-    for u in range(0, s.L + 1):
-        layer_time = max(compute[u], streamed[u] / h2d, fwd_extra if u else 0.0)
-        t_fwd = max(t_fwd, host_done[u] + streamed[u] / h2d) + layer_time
-        busy += layer_time
-    t_fwd = max(t_fwd, host_done[-1] + streamed[-1] / h2d)  # the head's weights, updated last
-    exposed = t_fwd - busy
-    head = s.head_flops / tf
-    bwd_layer = max(3 * s.layer_fwd_flops / tf,
-                    0.0 if cached else 4 * s.layer_numel / h2d,
-                    4 * s.layer_numel / d2h if grads_host else 0.0,
-                    layer_input_bytes / h2d if activations_host else 0.0)
-    backward = s.L * bwd_layer
-    host_total = sum(s.layouts[u].numel for u in units if u >= n_dev) / adam
-    times = {"forward": t_fwd, "head": head, "backward": backward, "host_optimizer": host_total,
-             "exposed_optimizer_wait": exposed}
-    times["step"] = t_fwd + head + backward + STEP_OVERHEAD_S
-    busy_by = {"GPU compute": sum(compute) * 4 + head,
-               "H2D": (sum(streamed) + (0 if cached else sum(streamed[1:-1]))) / h2d,
-               "D2H": (4 * sum(lay.numel for lay in s.layouts) / d2h) if grads_host else 0.0,
+    slots = n_units if cached else placement.get("slots", 2)
+    h2d_end, d2h_end, end = [0.0] * n_units, [0.0] * n_units, [0.0] * n_units
+    h2d_prev = d2h_prev = end_prev = 0.0
+    h2d_busy = d2h_busy = 0.0
+    for u in range(n_units):
+        start = max(h2d_prev, host_done[u])
+        if 1 <= u <= s.L and u - slots >= 1:
+            start = max(start, end[u - slots])
+        if place[u] == "streamed":
+            if u - 2 >= n_res:
+                start = max(start, d2h_end[u - 2])
+            h2d_t = 12 * numel[u] / link_each
+        else:
+            h2d_t = 0.0 if place[u] == "resident" else 4 * numel[u] / sp.h2d
+        h2d_end[u] = h2d_prev = start + h2d_t
+        d2h_t = (12 * numel[u] / link_each if place[u] == "streamed" else 0.0) + \
+            (layer_input_bytes / sp.d2h if activations_host and 1 <= u <= s.L else 0.0)
+        d2h_end[u] = d2h_prev = max(d2h_prev, h2d_end[u]) + d2h_t
+        h2d_busy += h2d_t
+        d2h_busy += d2h_t
+        end[u] = end_prev = max(end_prev, h2d_end[u]) + compute[u]
+    t_fwd = end[-1]
+    exposed = t_fwd - sum(compute)
+    fwd_h2d, fwd_d2h = h2d_busy, d2h_busy
+    head = s.head_flops / sp.head
+    backward = 0.0
+    for u in range(1, s.L + 1):
+        reload = 0.0 if cached or place[u] == "resident" else 4 * numel[u] / sp.h2d
+        grad_out = 4 * numel[u] / sp.d2h if grads_host and place[u] == "host" else 0.0
+        act_in = layer_input_bytes / sp.h2d if activations_host else 0.0
+        backward += max(3 * s.layer_fwd_flops / sp.bwd, reload + act_in, grad_out)
+        h2d_busy += reload + act_in
+        d2h_busy += grad_out
+    resident_adam = sum(numel[:n_res]) * 28 / HBM_ADAMW_BYTES_PER_S
+    host_total = sum(n for n, p in zip(numel, place) if p == "host") / sp.adam_pcie
+    times = {"forward": t_fwd, "forward_compute": sum(compute), "forward_h2d": fwd_h2d, "forward_d2h": fwd_d2h,
+             "head": head, "backward": backward, "gpu_resident_adamw": resident_adam, "host_adamw": host_total,
+             "exposed_wait": exposed}
+    times["step"] = t_fwd + head + backward + resident_adam + STEP_OVERHEAD_S
+    busy_by = {"GPU compute": sum(compute) + head + backward, "H2D": h2d_busy, "D2H": d2h_busy,
                "host AdamW": host_total}
-    return times, max(busy_by, key=busy_by.get), exposed
+    return times, max(busy_by, key=busy_by.get)
+
+
+def _split_bytes(s: _Shape, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:
+    """GPU bytes the update places take beyond the fixed working set: resident state (+ the resident layers' own
+    slots and accumulators), streamed staging (+ the streamed layers' accumulators)."""
+    numel = [lay.numel for lay in s.layouts]
+    layers = range(1, s.L + 1)
+    nbytes = sum(12 * numel[u] for u in range(n_res))
+    own_acc = [u for u in layers if u < n_res + n_str]
+    if not grads_on_gpu:
+        nbytes += sum(4 * numel[u] for u in own_acc)
+    if not cached:
+        nbytes += sum(s.slot_bytes(s.layouts[u]) for u in layers if u < n_res)
+    if n_str:
+        nbytes += min(2, n_str) * 12 * max(numel[n_res:n_res + n_str])
+    return nbytes
+
+
+def choose_split(s: _Shape, sp: Speeds, candidates: List[Tuple[dict, float]]) -> Optional[Tuple[dict, float]]:
+    """The fastest predicted of the (placement, free GPU bytes) candidates. Among those within 1% of the fastest,
+    the one with the most slack: the least busy of its forward's non-compute resources (host AdamW, H2D, D2H)
+    relative to the forward's compute, so that an error in a calibrated rate costs the least."""
+    if not candidates or not sp.known:
+        return candidates[0] if candidates else None
+    scored = []
+    for placement, free in candidates:
+        times, _ = predict_stream(s, sp, placement)
+        load = max(times["host_adamw"], times["forward_h2d"], times["forward_d2h"]) / times["forward_compute"]
+        scored.append((times["step"], load, -free, placement, free))
+    best = min(c[0] for c in scored)
+    chosen = min((c for c in scored if c[0] <= 1.01 * best), key=lambda c: (c[1], c[2]))
+    return chosen[3], chosen[4]
 
 
 def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     e, hw = cfg.engine, cfg.hardware
     s = _Shape(spec, cfg, on_gpu)
+    sp = Speeds(hw, runs_compiled(cfg, on_gpu))
     layouts, L = s.layouts, s.L
     compute_tier = "gpu" if on_gpu else "host"
     plan = MemoryPlan(engine="stream", limits_gib={"gpu": gpu_gib if on_gpu else 0.0, "host": host_gib})
@@ -228,12 +307,13 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     margin_gib = 2.0 + 0.05 * gpu_gib if on_gpu else 0.0
     state_bytes = [12 * lay.numel for lay in layouts]  # fp32 master + m + v
 
-    placement: Dict[str, object] = {}
+    placement: Dict[str, object] = {"slots": min(e.slots, L)}
     if not on_gpu:  # one memory: explicit choices are honoured so CPU runs exercise every code path
-        placement = {"activation_tier": "gpu" if e.activation_tier == "gpu" else "host",
-                     "grads_tier": "gpu" if e.grads_tier == "gpu" else "host",
-                     "cache_weights": "on" if e.cache_weights == "on" else "off",
-                     "device_optimizer_units": max(0, e.device_optimizer_units)}
+        placement.update({"activation_tier": "gpu" if e.activation_tier == "gpu" else "host",
+                          "grads_tier": "gpu" if e.grads_tier == "gpu" else "host",
+                          "cache_weights": "on" if e.cache_weights == "on" else "off",
+                          "gpu_resident_units": max(0, e.gpu_resident_units),
+                          "gpu_streamed_units": max(0, e.gpu_streamed_units)})
     else:
         free = gpu_gib * GIB - sum(b for _, b in fixed) - ring_bytes - side_grad_bytes - margin_gib * GIB
         host_free = host_gib * GIB - sum(state_bytes) - 2 * GIB
@@ -248,56 +328,80 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
 
         if not place("activation_tier", activation_bytes, e.activation_tier):
             host_free -= activation_bytes
-        grads_first = grad_bytes > host_free  # the host cannot hold them: they outrank everything below
+        # the host cannot hold them (or the config says gpu): they outrank everything below
+        grads_first = grad_bytes > host_free or e.grads_tier == "gpu"
         if grads_first:
             place("grads_tier", grad_bytes - side_grad_bytes, e.grads_tier)
-        placement["cache_weights"] = "off"
         placement.setdefault("grads_tier", "host")
-        placement["device_optimizer_units"] = 0
-        if e.device_optimizer_units >= 0:
-            n_dev = min(e.device_optimizer_units, len(layouts))
-            free -= sum(state_bytes[:n_dev])
-        else:
-            n_dev = 0
-            while n_dev < len(layouts) - 1 and hw.achieved_tflops:
-                times, _, exposed = predict_stream(spec, cfg, s, {**placement, "device_optimizer_units": n_dev})
-                if exposed <= 0.01 * times["step"] or state_bytes[n_dev] > free:
-                    break
-                free -= state_bytes[n_dev]
-                n_dev += 1
-        placement["device_optimizer_units"] = n_dev
-        cache_on = place("cache_weights", cache_bytes - ring_bytes,
-                         {"on": "gpu", "off": "host"}.get(e.cache_weights, "auto"))
-        placement["cache_weights"] = "on" if cache_on else "off"
-        if not grads_first:
-            place("grads_tier", grad_bytes - side_grad_bytes, e.grads_tier)
+        base, free_base = dict(placement), free
+
+        def complete(n_res: int, n_str: int) -> Optional[Tuple[dict, float]]:
+            """The placement with this split and the rest of HBM spent (weights cached, gradients), or None when
+            the split does not fit."""
+            nonlocal free
+            placement.clear()
+            placement.update(base, cache_weights="on" if e.cache_weights == "on" else "off",
+                             gpu_resident_units=n_res, gpu_streamed_units=n_str)
+            free = free_base - _split_bytes(s, n_res, n_str, base["grads_tier"] == "gpu",
+                                            placement["cache_weights"] == "on")
+            if free < 0 and (e.gpu_resident_units < 0 or e.gpu_streamed_units < 0):
+                return None
+            if e.cache_weights != "on":
+                resident_slots = sum(s.slot_bytes(layouts[u]) for u in range(1, min(n_res, L + 1)))
+                cache_on = place("cache_weights", cache_bytes - ring_bytes - resident_slots,
+                                 {"on": "gpu", "off": "host"}.get(e.cache_weights, "auto"))
+                placement["cache_weights"] = "on" if cache_on else "off"
+            if not grads_first:
+                own = 4 * sum(layouts[u].numel for u in range(1, min(n_res + n_str, L + 1)))
+                place("grads_tier", grad_bytes - side_grad_bytes - own, e.grads_tier)
+            return dict(placement), free
+
+        n_units = len(layouts)
+        splits = [(r, t) for r in ([min(e.gpu_resident_units, n_units)] if e.gpu_resident_units >= 0
+                                   else range(n_units + 1))
+                  for t in ([min(e.gpu_streamed_units, n_units - r)] if e.gpu_streamed_units >= 0
+                            else range(n_units - r + 1))]
+        if not sp.known:  # no speeds to choose by: what the config fixes, else every update on the host
+            splits = [(max(0, e.gpu_resident_units), max(0, e.gpu_streamed_units))]
+        chosen = choose_split(s, sp, [c for c in (complete(*split) for split in splits) if c is not None])
+        placement.clear()
+        placement.update(chosen[0] if chosen else complete(*splits[0])[0])
     plan.placement = placement
 
-    n_dev = placement["device_optimizer_units"]
-    host_state = sum(state_bytes[n_dev:])
-    plan.add("host", f"fp32 master, Adam m + v: {len(layouts) - n_dev} units updated on the host", host_state)
+    n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]
+    n_host = len(layouts) - n_res - n_str
+    grads_on_gpu = placement["grads_tier"] == "gpu"
+    cached = placement["cache_weights"] == "on"
+    plan.add("host", f"fp32 master, Adam m + v: {n_str} GPU-streamed + {n_host} host-updated units",
+             sum(state_bytes[n_res:]))
     for item, nbytes in fixed:
         plan.add(compute_tier, item, nbytes)
-    if n_dev:
-        plan.add(compute_tier, f"fp32 master, Adam m + v: {n_dev} leading units updated on the GPU",
-                 sum(state_bytes[:n_dev]))
+    if n_res:
+        plan.add(compute_tier, f"fp32 master, Adam m + v: {n_res} leading units resident and updated on the GPU",
+                 sum(state_bytes[:n_res]))
+    if n_str:
+        plan.add(compute_tier, f"staging for GPU-streamed updates (2 x 12 B x largest of {n_str} units)",
+                 min(2, n_str) * max(state_bytes[n_res:n_res + n_str]))
     plan.add(compute_tier if placement["activation_tier"] == "gpu" else "host",
              "layer-input activations (all micro-batches)", activation_bytes)
-    if placement["grads_tier"] == "gpu":
+    own_layers = [u for u in range(1, L + 1) if u < n_res + n_str]
+    if grads_on_gpu:
         plan.add(compute_tier, "fp32 gradients of every unit until the norm is known", grad_bytes)
         plan.add("host", "pinned gradient staging (2 x largest unit)",
-                 2 * 4 * max((lay.numel for lay in layouts[n_dev:]), default=0))
+                 2 * 4 * max((lay.numel for lay in layouts[n_res:]), default=0))
     else:
-        plan.add("host", "fp32 gradients until the global norm is known", grad_bytes)
-        plan.add(compute_tier, "fp32 accumulators: embedding, head, 2 layers (+ GPU-updated layers)",
-                 side_grad_bytes + 4 * sum(lay.numel for lay in layouts[1:min(n_dev, L + 1)]))
-    if placement["cache_weights"] == "on":
+        plan.add("host", "fp32 gradients of host-updated units until the global norm is known",
+                 4 * sum(lay.numel for lay in layouts[n_res + n_str:]))
+        plan.add(compute_tier, "fp32 accumulators: embedding, head, 2 layers, GPU-updated layers",
+                 side_grad_bytes + 4 * sum(layouts[u].numel for u in own_layers))
+    if cached:
         plan.add(compute_tier, "layer slots: one per layer (weights cached fwd -> bwd)", cache_bytes)
     else:
-        plan.add(compute_tier, f"layer slots: ring of {min(e.slots, L)} (+ one per GPU-updated layer)",
-                 ring_bytes + sum(s.slot_bytes(lay) for lay in layouts[1:min(n_dev, L + 1)]))
+        plan.add(compute_tier, f"layer slots: ring of {min(e.slots, L)} (+ one per GPU-resident layer)",
+                 ring_bytes + sum(s.slot_bytes(layouts[u]) for u in range(1, min(n_res, L + 1))))
     if on_gpu:
         plan.add("gpu", "allocator margin + CUDA context", int(margin_gib * GIB))
-        if hw.achieved_tflops:
-            plan.times_s, plan.binding, _ = predict_stream(spec, cfg, s, placement)
+    if sp.known:
+        plan.times_s, plan.binding = predict_stream(s, sp, placement)
+        plan.speeds = f"speeds: {sp.mode} figures of hardware={hw.name} ({hw.calibration or 'not calibrated'})"
     return plan

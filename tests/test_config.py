@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from engine import config
-from engine.config import Config, ConfigError, check_overrides, validate
+from engine.config import TFLOPS_FIGURES, TRANSFER_FIGURES, Config, ConfigError, check_overrides, validate
 from engine.metrics import count_params
 from engine.model import ModelSpec
 from tests.util import make_cfg
@@ -75,7 +75,7 @@ def test_group_files_do_not_repeat_schema_defaults(group):
 
 def test_removed_and_renamed_fields_are_gone_from_the_files():
     text = "\n".join(p.read_text() for p in (ROOT / "conf").rglob("*.yaml"))
-    for key in ("hf_repo:", "architectures:", "checkpoint_tier:"):
+    for key in ("hf_repo:", "architectures:", "checkpoint_tier:", "achieved_tflops:", "device_optimizer_units"):
         assert key not in text
 
 
@@ -173,12 +173,13 @@ BAD = {
     "hardware.other_card": ["hardware.other_card=maybe"],
     "hardware.peak_bf16_tflops": _figures("hardware.peak_bf16_tflops"),
     "hardware.peak_fp32_tflops": _figures("hardware.peak_fp32_tflops"),
-    "hardware.h2d_gbps": [*_figures("hardware.h2d_gbps"), "hardware.h2d_gbps=0 hardware.achieved_tflops=100"],
-    "hardware.d2h_gbps": [*_figures("hardware.d2h_gbps"), "hardware.d2h_gbps=0 hardware=h200 plan=true"],
     "hardware.host_mem_gib": _figures("hardware.host_mem_gib"),
-    "hardware.cpu_adam_gparams_per_s": [*_figures("hardware.cpu_adam_gparams_per_s"),
-                                        "hardware.cpu_adam_gparams_per_s=0 hardware=h200 plan=true"],
-    "hardware.achieved_tflops": _figures("hardware.achieved_tflops"),
+    **{f"hardware.{key}": [*_figures(f"hardware.{key}"), f"hardware.{key}=0 hardware=h200 plan=true"]
+       for key in TRANSFER_FIGURES},
+    **{f"hardware.{key}": [*_figures(f"hardware.{key}"), f"hardware.{key}=0 " + " ".join(
+        f"hardware.{other}=100" for other in TFLOPS_FIGURES if other != key and other[-5:] == key[-5:])]
+       for key in TFLOPS_FIGURES},
+    "hardware.calibration": ["hardware.calibration=[a]"],
     "data.name": ["data.name=web"],
     "data.path": ["data.path=/nonexistent/tokens.bin data=memmap", "data.path=null data=memmap",
                   f"data.path={A_FILE}"],
@@ -196,7 +197,8 @@ BAD = {
     "engine.grads_tier": ["engine.grads_tier=nvme"],
     "engine.activation_tier": ["engine.activation_tier=disk"],
     "engine.cache_weights": ["engine.cache_weights=maybe"],
-    "engine.device_optimizer_units": ["engine.device_optimizer_units=-2"],
+    "engine.gpu_resident_units": ["engine.gpu_resident_units=-2"],
+    "engine.gpu_streamed_units": ["engine.gpu_streamed_units=-2"],
     "engine.fused_kernels": ["engine.fused_kernels=maybe"],
     "seed": ["seed=-1", "seed=abc", f"seed={2**63}"],
     "plan": ["plan=maybe"],

@@ -93,8 +93,12 @@ def test_stream_matches_reference_bit_for_bit(family, reference_runs):
     ["engine.grads_tier=gpu", "engine.activation_tier=gpu", "engine.cache_weights=on"],
     ["engine.grads_tier=gpu", "engine.slots=3"],
     ["engine.activation_tier=gpu", "engine.cache_weights=on"],
-    ["engine.device_optimizer_units=2"],
-    ["engine.device_optimizer_units=5", "engine.grads_tier=gpu"],
+    ["engine.gpu_resident_units=2"],
+    ["engine.gpu_resident_units=5", "engine.grads_tier=gpu"],
+    ["engine.gpu_resident_units=1", "engine.gpu_streamed_units=2"],
+    ["engine.gpu_streamed_units=5"],
+    ["engine.gpu_resident_units=2", "engine.gpu_streamed_units=2", "engine.grads_tier=gpu", "engine.cache_weights=on"],
+    ["engine.gpu_streamed_units=3", "engine.activation_tier=gpu", "engine.slots=3"],
 ])
 def test_every_placement_is_exact(placement, reference_runs):
     """Placements are orthogonal to the fused accumulation kernel, which the family tests run (under the Triton
@@ -123,9 +127,48 @@ def _inject_nan(unit, grads):
         next(iter(grads.values())).view(-1)[3] = float("nan")
 
 
-@pytest.mark.parametrize("engine", ["reference", "stream"])
-def test_nan_gradient_skips_step_and_leaves_state_untouched(engine):
-    rec, _, _, snaps = train(engine, [], steps=4, grad_hook_at={2: _inject_nan})
+def test_streamed_units_are_updated_at_their_next_load(monkeypatch):
+    """The placement tests above cannot pass by ignoring the split: here the streamed updates are counted. Units 1
+    and 2 are updated while the next forward loads them (a slot to cast into), and once more by the flush before
+    the final weights are read (no slot)."""
+    from engine.streaming.streamed_update import StreamedUpdater
+
+    calls = []
+    update = StreamedUpdater.update
+    monkeypatch.setattr(StreamedUpdater, "update",
+                        lambda self, unit, opt, slot: calls.append((unit, slot is not None)) or update(self, unit, opt,
+                                                                                                     slot))
+    train("stream", ["engine.gpu_resident_units=1", "engine.gpu_streamed_units=2"], steps=3)
+    assert calls == [(1, True), (2, True)] * 2 + [(1, False), (2, False)]
+
+
+def test_validation_between_steps_sees_the_pending_streamed_updates():
+    """A GPU-streamed unit's update runs when the next forward loads it: an evaluation forward in between must apply
+    it (and the next training step must not apply it twice)."""
+    out = {}
+    for engine, overrides in (("reference", []), ("stream", ["engine.gpu_resident_units=1",
+                                                              "engine.gpu_streamed_units=3"])):
+        cfg, eng, data = build(engine, overrides)
+        t, evals, losses = cfg.train, [], []
+        try:
+            for step in range(4):
+                batches = [data.batch("train", step * t.grad_accum + j, t.micro_batch_size)
+                           for j in range(t.grad_accum)]
+                losses.append(eng.train_step(batches, optim.lr_at(step, t))["loss"])
+                if step in (1, 2):
+                    evals.append(eng.eval_loss([data.batch("val", 0, t.micro_batch_size)]))
+            out[engine] = losses, evals, eng.master_weights()
+        finally:
+            eng.close()
+    assert out["stream"][:2] == out["reference"][:2]
+    assert_same(out["stream"][2], out["reference"][2])
+
+
+@pytest.mark.parametrize("engine, overrides", [("reference", []), ("stream", []),
+                                               ("stream", ["engine.gpu_resident_units=1",
+                                                           "engine.gpu_streamed_units=2"])])
+def test_nan_gradient_skips_step_and_leaves_state_untouched(engine, overrides):
+    rec, _, _, snaps = train(engine, overrides, steps=4, grad_hook_at={2: _inject_nan})
     assert [r["skipped"] for r in rec] == [False, False, True, False]
     assert rec[2]["skipped_steps"] == 1
     (w1, m1), (w2, m2) = snaps[1], snaps[2]

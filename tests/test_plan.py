@@ -1,6 +1,7 @@
 """The planner's refusals: every memory tier that overflows is named with its numbers."""
 
 import pytest
+from omegaconf import OmegaConf
 
 from engine.model import ModelSpec
 from engine.plan import PlanError, build_plan
@@ -39,6 +40,7 @@ def test_a_memory_cap_is_not_another_card(monkeypatch):
     capped = make_cfg(["hardware=h200", "hardware.gpu_mem_cap_gib=24"], validated=False)
     hardware.resolve(capped)
     assert hardware.usable_gpu_gib(capped.hardware, card_gib=140.4) == 24.0
-    assert capped.hardware.achieved_tflops == 480.0  # the H200's figures, not another card's
+    h200 = OmegaConf.load(hardware.PROFILE_DIR / "h200.yaml")
+    assert capped.hardware.fwd_tflops_compiled == h200.fwd_tflops_compiled  # the H200's figures, not another card's
     assert hardware.usable_gpu_gib(make_cfg(["hardware=h200"], validated=False).hardware, card_gib=140.4) == 139.0
     assert hardware.usable_gpu_gib(make_cfg([], validated=False).hardware, card_gib=0.0) == 0.0

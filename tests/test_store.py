@@ -25,8 +25,8 @@ def test_store_bytes_match_design_arithmetic(grads_on_host, bytes_per_param):
     parameter on the layout's padded element count (the padding stays below 2% of the parameters)."""
     cfg = make_cfg(MID)
     spec = ModelSpec(cfg.model)
-    store = HostStore(spec, pin=False, grads_on_host=grads_on_host, grad_staging=0, host_activation_numel=0,
-                      seed=0)
+    grad_units = range(len(spec.units)) if grads_on_host else ()
+    store = HostStore(spec, pin=False, grad_units=grad_units, grad_staging=0, host_activation_numel=0, seed=0)
     held = [*store.master, *store.m, *store.v, *(store.grads or [])]
     held_bytes = sum(t.numel() * t.element_size() for t in held)
     padded_numel = sum(u.layout.numel for u in spec.units)
@@ -38,7 +38,7 @@ def test_store_bytes_match_design_arithmetic(grads_on_host, bytes_per_param):
 def test_store_master_is_the_deterministic_init():
     cfg = make_cfg(MID)
     spec = ModelSpec(cfg.model)
-    store = HostStore(spec, pin=False, grads_on_host=False, grad_staging=0, host_activation_numel=0, seed=3)
+    store = HostStore(spec, pin=False, grad_units=(), grad_staging=0, host_activation_numel=0, seed=3)
     for unit in (spec.units[0], spec.units[2]):
         fresh = {s.name: torch.empty(s.shape) for s in unit.layout.specs}
         spec.init_unit(unit, fresh, 3)

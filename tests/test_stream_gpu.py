@@ -34,11 +34,15 @@ PLACEMENTS = {
     "all-gpu": ["engine.grads_tier=gpu", "engine.activation_tier=gpu", "engine.cache_weights=on"],
     "host-grads-3-slots": ["engine.grads_tier=host", "engine.activation_tier=gpu", "engine.cache_weights=off",
                            "engine.slots=3"],
-    "host-grads-no-gpu-units": ["engine.grads_tier=host", "engine.device_optimizer_units=0",
+    "host-grads-no-gpu-units": ["engine.grads_tier=host", "engine.gpu_resident_units=0",
                                 "engine.cache_weights=off"],
-    "3-gpu-units-host-grads": ["engine.device_optimizer_units=3", "engine.grads_tier=host",
+    "3-gpu-units-host-grads": ["engine.gpu_resident_units=3", "engine.grads_tier=host",
                                "engine.cache_weights=off"],
-    "2-gpu-units-gpu-grads": ["engine.device_optimizer_units=2", "engine.grads_tier=gpu", "engine.cache_weights=on"],
+    "2-gpu-units-gpu-grads": ["engine.gpu_resident_units=2", "engine.grads_tier=gpu", "engine.cache_weights=on"],
+    "1-resident-3-streamed-host-grads": ["engine.gpu_resident_units=1", "engine.gpu_streamed_units=3",
+                                         "engine.grads_tier=host", "engine.cache_weights=off"],
+    "all-streamed-gpu-grads": ["engine.gpu_resident_units=0", "engine.gpu_streamed_units=5",
+                               "engine.grads_tier=gpu", "engine.cache_weights=on"],
 }
 LOSS_ATOL, WEIGHT_ATOL = 1e-4, 1e-4
 
@@ -91,7 +95,8 @@ def bf16_reference(oracle):
 
 
 # every placement eager; compiled templates (the CUDA default) on two, as each compile costs a minute
-BF16_CASES = [("off", p) for p in sorted(PLACEMENTS)] + [("on", "auto"), ("on", "host-grads-no-gpu-units")]
+BF16_CASES = [("off", p) for p in sorted(PLACEMENTS)] + [("on", "auto"), ("on", "host-grads-no-gpu-units"),
+                                                         ("on", "1-resident-3-streamed-host-grads")]
 
 
 @pytest.mark.parametrize("compile_mode, placement", BF16_CASES)

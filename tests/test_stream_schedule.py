@@ -35,7 +35,7 @@ def _engine(overrides=()):
 def test_compute_of_a_layer_is_queued_before_waiting_for_the_next_layers_update(slots):
     """compute(k) must not wait for update(k+1): every wait of the forward on the host optimizer for unit u comes
     after the compute of unit u - 1 was queued."""
-    cfg, spec, eng, data = _engine([f"engine.slots={slots}", "engine.device_optimizer_units=0"])
+    cfg, spec, eng, data = _engine([f"engine.slots={slots}", "engine.gpu_resident_units=0"])
     events = []
     step_unit, wait_updated, weights = eng.opt.step_unit, eng._wait_updated, eng._weights
 
@@ -99,7 +99,7 @@ def test_claim_raises_when_the_reader_died():
 def test_a_skipped_step_releases_every_accumulator():
     """A non-finite gradient skips the update; the accumulators lent to the optimizer must come back all the same,
     or the next backward would wait for them forever."""
-    cfg, spec, eng, data = _engine(["engine.grads_tier=gpu", "engine.device_optimizer_units=1"])
+    cfg, spec, eng, data = _engine(["engine.grads_tier=gpu", "engine.gpu_resident_units=1"])
     try:
         batches = [data.batch("train", j, 2) for j in range(2)]
         eng.train_step(batches, optim.lr_at(0, cfg.train), grad_hook=lambda unit, views: [

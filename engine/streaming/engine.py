@@ -15,14 +15,16 @@ One step over M micro-batches:
    does in the reference), its per-tensor norms are taken on the GPU, and it either stays on the GPU (grads tier
    gpu) or goes to pinned host memory on the D2H stream. Then the embedding's backward (a scatter-add, no weights).
 4. Optimizer. The global norm needs every gradient, so the host reads it once, after the backward (the step's
-   single synchronisation). A non-finite norm skips the update. Otherwise the leading units whose state the plan
-   put in GPU memory (`device_optimizer_units`: embedding, layer 1, ...) are updated at once on the compute
-   stream, and a worker thread runs AdamW over the rest unit by unit in forward order, fetching GPU-tier gradients
-   through a two-deep pinned staging pair, raising each unit's "updated" flag; the next step's forward streams
-   unit u as soon as its flag is up, so the host update of step t overlaps the forward of step t+1. The GPU takes
-   the first units because the forward needs them first: the host starts with a lead of those units' forward time.
-   Every read of a gradient accumulator (D2H, the optimizer's fetch, the GPU update) records an event that the
-   next overwrite of that accumulator waits for (engine/streaming/gradients.py).
+   single synchronisation). A non-finite norm skips the update. Otherwise each unit is updated in the place the
+   plan gave it (DESIGN.md §4), in forward order: the leading `gpu_resident_units` (state in GPU memory) at once on
+   the compute stream; the next `gpu_streamed_units` (state in pinned host memory) on the GPU when the next forward
+   loads them, their master, m and v coming in over H2D and going back over D2H, the fresh weights cast straight
+   into their slot (engine/streaming/streamed_update.py); the rest by a worker thread running the host AdamW unit by
+   unit, fetching GPU-tier gradients through a two-deep pinned staging pair and raising each unit's "updated" flag.
+   The next step's forward streams unit u as soon as its flag is up, so the host update of step t overlaps the
+   forward of step t+1, with a lead of the GPU-updated units' forward time. Every read of a gradient accumulator
+   (D2H, the optimizer's fetch, a GPU update) records an event that the next overwrite of that accumulator waits
+   for (engine/streaming/gradients.py).
 
 The embedding and head are streamed like layers (their master weights and moments stay on the host, so a 24 GB
 GPU can train a 150K-vocabulary model), each into a slot of its own: they differ in size from a layer, and a ring
@@ -54,6 +56,7 @@ from engine.streaming.gradients import GradAccumulator
 from engine.streaming.host_store import HostStore
 from engine.streaming.slots import Slot, WeightLoader
 from engine.streaming.stall_timer import StallTimer
+from engine.streaming.streamed_update import StreamedUpdater
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
@@ -78,23 +81,35 @@ class StreamEngine:
         B, T, D = self.shape_BTD
         activation_numel = 0 if activations_on_gpu else L * M * B * T * D
         n_units = len(spec.units)
-        # the leading units (embedding, layer 1, ...) whose master, moments and update live on the GPU
-        self.device_units = set(range(placement.get("device_optimizer_units", 0)))
-        self.host_units = [u for u in range(n_units) if u not in self.device_units]
-        self.store = HostStore(spec, pin=self.dev.cuda, grads_on_host=not self.grads_on_gpu,
+        # the three update places (DESIGN.md §4), in forward order: GPU-resident, GPU-streamed, host
+        n_resident = placement.get("gpu_resident_units", 0)
+        n_streamed = placement.get("gpu_streamed_units", 0)
+        self.resident_units = set(range(n_resident))
+        self.streamed_units = list(range(n_resident, min(n_units, n_resident + n_streamed)))
+        self.host_units = list(range(n_resident + len(self.streamed_units), n_units))
+        self.gpu_updated = self.resident_units | set(self.streamed_units)
+        self.store = HostStore(spec, pin=self.dev.cuda, grad_units=() if self.grads_on_gpu else self.host_units,
                                grad_staging=2 if self.grads_on_gpu else 0, host_activation_numel=activation_numel,
-                               seed=cfg.seed, host_units=self.host_units)
+                               seed=cfg.seed, host_units=self.streamed_units + self.host_units,
+                               streamed_units=self.streamed_units)
         layouts = self.store.layouts
         self.master, self.m, self.v = list(self.store.master), list(self.store.m), list(self.store.v)
-        for u in sorted(self.device_units):
+        for u in sorted(self.resident_units):
             self.master[u] = torch.zeros(layouts[u].numel, dtype=torch.float32, device=device)
             spec.init_unit(spec.units[u], layouts[u].views(self.master[u]), cfg.seed)
             self.m[u] = torch.zeros_like(self.master[u])
             self.v[u] = torch.zeros_like(self.master[u])
-        self.opt = FlatAdamW(layouts, self.master, self.m, self.v, t)
 
         self.h2d, self.d2h, self.opt_d2h = self.dev.new_stream(), self.dev.new_stream(), self.dev.new_stream()
         self.timer = StallTimer(self.dev)
+        self.streamed = StreamedUpdater(self.dev, self.h2d, self.d2h, layouts, self.streamed_units,
+                                        {"master": self.master, "m": self.m, "v": self.v}, self.timer)
+        # a streamed unit's AdamW runs over its GPU staging views; the others' over their home buffers
+        opt_state = {"master": list(self.master), "m": list(self.m), "v": list(self.v)}
+        for u in self.streamed_units:
+            for which, view in self.streamed.state_views(u).items():
+                opt_state[which][u] = view
+        self.opt = FlatAdamW(layouts, opt_state["master"], opt_state["m"], opt_state["v"], t)
         self.loader = WeightLoader(self.dev, self.h2d, self.master, layouts, compute_dtype, self.timer)
         layer_layouts = [u.layout for u in spec.layer_units]
         self.embed_slot = self.loader.new_slot([layouts[0]])
@@ -102,7 +117,7 @@ class StreamEngine:
         n_layer_slots = L if self.cache_weights else min(cfg.engine.slots, L)
         self.layer_slots = [self.loader.new_slot(layer_layouts) for _ in range(n_layer_slots)]
         self.device_slots = {} if self.cache_weights else {
-            u: self.loader.new_slot([layouts[u]]) for u in sorted(self.device_units) if 0 < u <= L}
+            u: self.loader.new_slot([layouts[u]]) for u in sorted(self.resident_units) if 0 < u <= L}
         self.slot_version: Dict[int, int] = {}  # id(slot) -> weights version it holds
 
         fused = cfg.engine.fused_kernels
@@ -110,7 +125,7 @@ class StreamEngine:
                                              L + 1: GradAccumulator(self.dev, layouts[-1], fused)}
         # GPU-updated layers need their own accumulators only when the other layers share a ring
         self.device_accs = {} if self.grads_on_gpu else {
-            u: GradAccumulator(self.dev, layouts[u], fused) for u in sorted(self.device_units) if 0 < u <= L}
+            u: GradAccumulator(self.dev, layouts[u], fused) for u in sorted(self.gpu_updated) if 0 < u <= L}
         n_layer_accs = L if self.grads_on_gpu else min(2, L)
         self.layer_accs = [GradAccumulator(self.dev, layer_layouts[0], fused) for _ in range(n_layer_accs)]
 
@@ -181,7 +196,10 @@ class StreamEngine:
             if not wait and not self.updated[unit].is_set():
                 return
             self._wait_updated(unit)
-            self.loader.load(unit, slot)
+            if unit in self.streamed.pending:
+                self.streamed.update(unit, self.opt, slot)
+            else:
+                self.loader.load(unit, slot, after=self.streamed.landed.get(unit))
             self.slot_version[id(slot)] = self.version
 
     def _load_ahead(self, order: List[int], k: int, wait: bool) -> None:
@@ -229,7 +247,7 @@ class StreamEngine:
         off = self.norm_offsets[unit]
         self.norms[off:off + len(acc.views)] = optim.tensor_norms(list(acc.views.values()))
         acc.hand_off()
-        if self.grads_on_gpu or unit in self.device_units:
+        if self.grads_on_gpu or unit in self.gpu_updated:
             self.gpu_grads[unit] = acc
             return
         done, landed = self.dev.event(), self.dev.event()
@@ -350,15 +368,22 @@ class StreamEngine:
         self.version += 1
         for ev in self.updated:
             ev.clear()
-        for unit in sorted(self.device_units):  # state in GPU memory: updated right here, in compute-stream order
+        scale = float(coef) < 1.0
+        for unit in sorted(self.resident_units):  # state in GPU memory: updated right here, in compute-stream order
             acc = self.gpu_grads[unit]
             if skipped:
                 acc.release_unread()
             else:
-                if float(coef) < 1.0:
+                if scale:
                     acc.flat.mul_(coef_dev)
                 self.opt.step_unit(unit, acc.flat, lr)
                 acc.read_queued(None)
+            self.updated[unit].set()
+        if skipped:
+            self.streamed.skip(self.gpu_grads)
+        elif self.streamed_units:  # updated when the next forward loads them (streamed_update.py)
+            self.streamed.submit(self.gpu_grads, coef_dev, scale, lr)
+        for unit in self.streamed_units:
             self.updated[unit].set()
         self.pending = self.pool.submit(self._optimizer_pass, coef, lr, skipped,
                                         dict(self.gpu_grads), dict(self.grad_landed))
@@ -410,9 +435,10 @@ class StreamEngine:
         self.last_optimizer_s = time.perf_counter() - start
 
     def wait_for_optimizer(self) -> None:
-        """Block until the last submitted host update has been applied."""
+        """Block until the last step's update has been applied everywhere and all host state is home."""
         if self.pending is not None:
             self.pending.result()
+        self.streamed.flush(self.opt)
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[Batch]) -> float:
@@ -475,7 +501,8 @@ class StreamEngine:
         out["device_slots"] = gpu
         accs = list({id(a): a for a in [*self.acc.values(), *self.layer_accs, *self.device_accs.values()]}.values())
         out["device_grad_accumulators"] = sum(4 * a.flat.numel() for a in accs)
-        out["device_optimizer_state"] = sum(12 * self.master[u].numel() for u in self.device_units)
+        out["device_optimizer_state"] = sum(12 * self.master[u].numel() for u in self.resident_units)
+        out["device_streamed_state_staging"] = self.streamed.bytes
         return out
 
     def close(self) -> None:

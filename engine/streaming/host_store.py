@@ -4,11 +4,13 @@ Everything lives in one host arena allocated once, carved into aligned per-unit 
 the PCIe link asynchronously (master weights streamed H2D, gradients and kept activations landing D2H) need page-locked
 memory; they are allocated as plain memory and pinned with cudaHostRegister, one registration per region. Two
 reasons not to use `torch.empty(pin_memory=True)`: the caching host allocator rounds every request up to a power of
-two (a 91 GB request would take 128 GB), and m/v are only touched by the CPU optimizer, so pinning them would cost
-registration time for nothing. On a CPU-only torch nothing is pinned and the layout is the same.
+two (a 91 GB request would take 128 GB), and the m/v of host-updated units are only touched by the CPU optimizer, so
+pinning them would cost registration time for nothing (those of GPU-streamed units cross the link: pinned). On a
+CPU-only torch nothing is pinned and the layout is the same.
 
-Bytes: 12 per parameter (fp32 master, m, v) of the units whose optimizer runs on the host, plus 4 per parameter for
-gradients when the plan keeps them on the host, plus host-tier layer-input activations, plus a small pinned staging
+Bytes: 12 per parameter (fp32 master, m, v) of the units whose state lives on the host (updated by the host AdamW or
+streamed to the GPU for their update), plus 4 per parameter for the gradients of host-updated units when the plan
+keeps them on the host, plus host-tier layer-input activations, plus a small pinned staging
 ring for gradients kept on the GPU. `bytes_by_kind` reports exactly what was allocated; the layout padding (tensors
 aligned to 64 elements) is included.
 """
@@ -24,11 +26,13 @@ from engine.model import ModelSpec
 
 
 class HostStore:
-    def __init__(self, spec: ModelSpec, pin: bool, grads_on_host: bool, grad_staging: int,
+    def __init__(self, spec: ModelSpec, pin: bool, grad_units: Sequence[int], grad_staging: int,
                  host_activation_numel: int, seed: int, host_units: Optional[Sequence[int]] = None,
-                 init_threads: int = 8):
+                 streamed_units: Sequence[int] = (), init_threads: int = 8):
         """`host_units`: the units whose state lives here (default all); the others get empty placeholders (their
-        state lives in GPU memory, owned by the engine)."""
+        state lives in GPU memory, owned by the engine). `grad_units`: the units whose gradients wait here for the
+        global norm. `streamed_units`: units updated on the GPU from this state, whose moments cross the link too
+        and are therefore pinned like the master."""
         self.spec = spec
         self.layouts = [u.layout for u in spec.units]
         self.host_units = set(range(len(spec.units)) if host_units is None else host_units)
@@ -43,9 +47,11 @@ class HostStore:
         self.v = self._split(self._alloc("adam_v", sum(numels), zero=True), numels)
         to_pin: List[torch.Tensor] = []
         self.grads = None
-        if grads_on_host:
-            self.grads = self._split(self._alloc("grads", sum(numels)), numels)
+        if grad_units:
+            grad_numels = [n if i in set(grad_units) else 0 for i, n in enumerate(numels)]
+            self.grads = self._split(self._alloc("grads", sum(grad_numels)), grad_numels)
             to_pin += self.grads  # one registration per unit: every copy stays inside one registered region
+        to_pin += [buf[u] for u in streamed_units for buf in (self.m, self.v)]
         self.grad_staging = [self._alloc("grad_staging", max(numels)) for _ in range(grad_staging)]
         to_pin += self.grad_staging
         self.activations = None

@@ -59,8 +59,9 @@ class WeightLoader:
         return Slot(self.dev, max(lay.cast_numel for lay in layouts),
                     max(lay.numel - lay.cast_numel for lay in layouts), self.dtype)
 
-    def load(self, unit: int, slot: Slot) -> None:
-        """Queue the copy of `unit` into `slot` behind the slot's last use; records `slot.ready`."""
+    def load(self, unit: int, slot: Slot, after=None) -> None:
+        """Queue the copy of `unit` into `slot` behind the slot's last use (and behind event `after`: the D2H that
+        wrote a GPU-streamed unit's master home); records `slot.ready`."""
         layout, master = self.layouts[unit], self.masters[unit]
         if not slot.fits(layout):
             raise ValueError(f"slot too small for unit {unit}")
@@ -69,6 +70,8 @@ class WeightLoader:
         tail_n = layout.numel - layout.cast_numel
         with self.dev.on(stream), self.timer.busy(stream, "h2d" if stream is not None else "cast"):
             self.dev.wait_event(stream, slot.free)
+            if after is not None:
+                self.dev.wait_event(stream, after)
             slot.tail[:tail_n].copy_(master[layout.cast_numel:], non_blocking=True)
             if resident or self.staging is None:
                 slot.cast[:layout.cast_numel].copy_(master[:layout.cast_numel])

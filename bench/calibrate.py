@@ -1,0 +1,487 @@
+"""Calibration: measure the machine this runs on and write a hardware profile for the planner.
+
+    python bench/calibrate.py --out conf/hardware/h200_calibrated.yaml --jsonl bench/results/calibrate.jsonl
+    python bench/calibrate.py --model tiny --micro-batch 1 --seq-len 64 --modes eager --out /tmp/cpu.yaml  # any CPU
+
+The planner (engine/plan.py) predicts a step from a profile's figures. A figure fitted on the very run it then
+predicts proves nothing, so every figure here comes from small, separate measurements of the pieces a streamed
+step is made of, each the median of `--repeats` timed repetitions after `--warmup` untimed ones:
+
+1. One decoder layer of `--model` at `--micro-batch` x `--seq-len` tokens, built as the streaming engine builds a
+   slot: the fp32 master of `spec.units[1]` is initialised with `spec.init_unit`, its cast segment (the matmul
+   weights) copied to the device in the compute dtype (bf16 autocast on CUDA, fp32 on CPU) and the tail (norms,
+   biases) in fp32, and the templates read it through `layout.bind`. In each mode of `--modes` (a fresh ModelSpec
+   per mode; `compiled` calls `compile_templates`, and the first warm-up call, which compiles, is timed on its own
+   and printed when slow):
+   - forward without autograd, as the engine's forward runs a layer -> `fwd_tflops_<mode>`;
+   - backward as the engine runs it: the forward again with autograd from a leaf input, then `torch.autograd.grad`
+     for the input and every weight under a random upstream gradient -> `bwd_tflops_<mode>`, counted as 3 forwards
+     (the recompute and the backward's two matmuls per weight);
+   - the head: `spec.loss_sum` with autograd, then the gradient for the input and the head's weights (with tied
+     embeddings the embedding matrix is the LM head, as in the engine's `_head`) -> `head_tflops_<mode>`, counted
+     as 4 head forwards (the forward, the chunked loss's recompute and a backward of two).
+   FLOPs are model FLOPs (`engine.metrics.model_flops_per_token`), the same count the planner divides by these
+   rates, so a rate here is exactly what the planner needs, whatever the kernels do underneath.
+2. PCIe: `--copy-gib` from page-locked host memory (plain memory registered with cudaHostRegister, as the host
+   store pins its arena) to the device -> `h2d_gbps`, back -> `d2h_gbps`, and both at once on two streams ->
+   `bidir_gbps` (the bytes of both directions over the time of the pair). GB here is 1e9 bytes.
+3. Host AdamW: one fused torch.optim.AdamW step on the CPU over a flat fp32 parameter of `--adam-gparams` billion
+   elements, gradient set and moments pre-seeded as engine/optim.py's FlatAdamW seeds them ->
+   `cpu_adam_gparams_per_s`; then the same while a thread keeps both PCIe directions busy with pinned copies ->
+   `cpu_adam_gparams_per_s_under_pcie` (in a streamed step the host update runs while weights stream in and
+   gradients stream out, and page-locked DMA competes with the optimizer for host memory bandwidth).
+   Without CUDA, 2 and the second half of 3 are skipped and written as 0, and the output says so; engine.config
+   refuses TFLOPS figures without transfer figures, so such a profile checks this script rather than plans a run.
+
+GPU work is timed with CUDA events on the current stream (work on other streams is joined back to it before the
+end event), host work with a wall clock. Output: `--out` gets the `--base` profile with the measured fields
+replaced or added, a `calibration` line (date, git revision, model, tokens, torch / triton, GPU) and a comment
+header naming this script; a mode not measured keeps the base profile's figures, and `name` stays the base's (the
+card check of engine/hardware.py compares it with the GPU). `--jsonl` gets one row appended with every figure, the
+run environment and the arguments. Arguments are checked before anything is allocated.
+
+Costs. Device memory: one layer as a slot holds it, its gradients (in the same dtypes) and the working activations
+of one micro-batch; the head (for qwen7b: the LM head in bf16, 1.1 GB, its gradient and a 512 MiB fp32 logits
+chunk); two `--copy-gib` buffers. Host memory: two pinned `--copy-gib` buffers, 16 bytes per AdamW element
+(parameter, gradient, two moments: 8 GB at the default 0.5 billion) and the fp32 masters of one layer and the head
+while they are initialised. Time: under a minute with the defaults on the H200 machine (2026-12-04, torch 2.11:
+17 s of torch.compile, then mostly the host-side initialisation of the weights and of the AdamW state); the timed
+repetitions themselves take a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's engine, installed or not
+
+import torch
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from engine.config import CONF_DIR, ConfigError, ModelConfig, TrainConfig
+from engine.device import autocast_ctx, resolve_compute_dtype
+from engine.fileio import atomic_write
+from engine.metrics import model_flops_per_token, run_environment
+from engine.model import ModelSpec, Unit
+from engine.optim import make_adamw
+
+GIB = 2**30
+MODES = ("compiled", "eager")
+PCIE_FIGURES = ("h2d_gbps", "d2h_gbps", "bidir_gbps")
+PCIE_POLL_S = 0.0005  # how often the PCIe load thread looks whether its oldest round has landed
+INIT_SEED = 0
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def log(line: str) -> None:
+    print(f"[calibrate] {line}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen7b", help="a model of conf/model/ (default: qwen7b)")
+    ap.add_argument("--micro-batch", type=int, default=2, help="sequences per layer call (default: 2)")
+    ap.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
+    ap.add_argument("--modes", default="compiled,eager",
+                    help=f"comma-separated, from {', '.join(MODES)} (default: compiled,eager)")
+    ap.add_argument("--copy-gib", type=float, default=1.0, help="GiB per PCIe copy (default: 1)")
+    ap.add_argument("--adam-gparams", type=float, default=0.5,
+                    help="billions of fp32 elements of the host AdamW parameter (default: 0.5, 8 GB of state)")
+    ap.add_argument("--repeats", type=int, default=10, help="timed repetitions per figure; the median is kept")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="untimed repetitions before the timed ones (>= 1: the first one compiles)")
+    ap.add_argument("--base", type=Path, default=CONF_DIR / "hardware" / "h200.yaml",
+                    help="the profile to start from (default: conf/hardware/h200.yaml)")
+    ap.add_argument("--out", type=Path, required=True, help="the profile to write (replaced if it exists)")
+    ap.add_argument("--jsonl", type=Path, default=None, help="append one row of every figure to this file")
+    return ap
+
+
+def _require(parser: argparse.ArgumentParser, ok: bool, message: str) -> None:
+    if not ok:
+        parser.error(message)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DictConfig:
+    """Refuse what cannot work, naming the value, before anything is allocated; returns the model config and adds
+    the parsed forms to `args` (mode_list, copy_bytes, adam_numel, base_profile). Refusals exit through
+    `parser.error` (status 2, the message on stderr)."""
+    model_dir = CONF_DIR / "model"
+    known = sorted(p.stem for p in model_dir.glob("*.yaml"))
+    _require(parser, args.model in known, f"--model {args.model!r} is not a model of {model_dir}; "
+                                          f"choose one of {', '.join(known)}")
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    _require(parser, bool(args.mode_list), f"--modes {args.modes!r} names no mode; choose from {', '.join(MODES)}")
+    for mode in args.mode_list:
+        _require(parser, mode in MODES, f"--modes: {mode!r} is not a mode; choose from {', '.join(MODES)}")
+    _require(parser, len(set(args.mode_list)) == len(args.mode_list), f"--modes {args.modes!r} repeats a mode")
+    for flag, value, minimum in (("--micro-batch", args.micro_batch, 1), ("--seq-len", args.seq_len, 1),
+                                 ("--repeats", args.repeats, 1), ("--warmup", args.warmup, 1)):
+        _require(parser, value >= minimum, f"{flag} {value} must be an integer >= {minimum}")
+    for flag, value in (("--copy-gib", args.copy_gib), ("--adam-gparams", args.adam_gparams)):
+        _require(parser, math.isfinite(value) and value > 0, f"{flag} {value} must be a finite number > 0")
+    args.copy_bytes = int(args.copy_gib * GIB)
+    args.adam_numel = round(args.adam_gparams * 1e9)
+    _require(parser, args.copy_bytes >= 1, f"--copy-gib {args.copy_gib} is less than one byte")
+    _require(parser, args.adam_numel >= 1, f"--adam-gparams {args.adam_gparams} is less than one element")
+
+    try:
+        model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(model_dir / f"{args.model}.yaml"))
+        OmegaConf.to_container(model_cfg, throw_on_missing=True)
+        ModelSpec(model_cfg).check_expected_params()
+    except (OmegaConfBaseException, ConfigError) as err:
+        parser.error(f"--model {args.model}: conf/model/{args.model}.yaml does not make a model config: {err}")
+    _require(parser, args.seq_len <= model_cfg.max_position_embeddings,
+             f"--seq-len {args.seq_len} exceeds max_position_embeddings={model_cfg.max_position_embeddings} of "
+             f"--model {args.model}")
+
+    _require(parser, args.base.is_file(), f"--base {str(args.base)!r}: no such file")
+    try:
+        base = OmegaConf.load(args.base)
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
+        parser.error(f"--base {str(args.base)!r} is not a YAML profile: {err}")
+    _require(parser, isinstance(base, DictConfig), f"--base {str(args.base)!r} is not a mapping of profile fields")
+    args.base_profile = OmegaConf.to_container(base, resolve=True)
+    for flag, path in (("--out", args.out), ("--jsonl", args.jsonl)):
+        if path is not None:
+            _require(parser, not path.is_dir(), f"{flag} {str(path)!r} is a directory; give a file name")
+            _require(parser, path.resolve().parent.is_dir(),
+                     f"{flag} {str(path)!r}: directory {str(path.resolve().parent)!r} does not exist")
+    return model_cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Timing
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time_once_s(fn: Callable[[], None], on_device: bool) -> float:
+    """Seconds of one call of `fn`: between CUDA events on the current stream for device work (`fn` joins any
+    other stream it uses back to the current one), on the wall clock for host work."""
+    if on_device:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median_s(fn: Callable[[], None], args: argparse.Namespace, on_device: bool, what: str) -> float:
+    """Median seconds of `fn` over `args.repeats` calls after `args.warmup` untimed ones (the first of which is
+    reported when it is slow: it is where torch.compile compiles)."""
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    first_s = time.perf_counter() - t0
+    if first_s > 1.0:
+        log(f"  {what}: first call {first_s:.1f} s (compilation, allocation)")
+    for _ in range(args.warmup - 1):
+        fn()
+    _sync()
+    return statistics.median(_time_once_s(fn, on_device) for _ in range(args.repeats))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. Layer and head compute
+
+
+def bind_unit(spec: ModelSpec, unit: Unit, device: torch.device, compute_dtype: torch.dtype,
+              leaf: bool) -> dict[str, torch.Tensor]:
+    """A unit's weights as a slot holds them: initialised in an fp32 master on the host, the cast segment copied in
+    the compute dtype, the tail in fp32, bound by the layout; `leaf`: each view a leaf that autograd differentiates,
+    as the engine's backward and head take them."""
+    layout = unit.layout
+    master = torch.zeros(layout.numel, dtype=torch.float32)
+    spec.init_unit(unit, layout.views(master), INIT_SEED)
+    cast = master[:layout.cast_numel].to(device=device, dtype=compute_dtype)
+    tail = master[layout.cast_numel:].to(device=device)
+    views = layout.bind(cast, tail)
+    return {k: v.detach().requires_grad_() for k, v in views.items()} if leaf else views
+
+
+def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, device: torch.device,
+                 compute_dtype: torch.dtype) -> dict[str, float]:
+    spec = ModelSpec(model_cfg)
+    if mode == "compiled":
+        log("compiled: each measurement's first call compiles what it runs (seconds each on an H200)")
+        spec.compile_templates()
+    on_device = device.type == "cuda"
+    B, T, D = args.micro_batch, args.seq_len, spec.arch.hidden
+    tokens = B * T
+    flops = model_flops_per_token(model_cfg, T)
+    layer_fwd_flops = flops["layer_forward_flops_per_token"] * tokens
+    head_flops = 4 * flops["head_forward_flops_per_token"] * tokens
+
+    gen = torch.Generator(device="cpu").manual_seed(INIT_SEED)
+    x = torch.randn(B, T, D, generator=gen).to(device)  # the residual stream is fp32, as the fp32 embedding makes it
+    dy = torch.randn(B, T, D, generator=gen).to(device)
+    labels = torch.randint(0, spec.arch.vocab, (B, T), generator=gen).to(device)
+    rope = spec.rope(T, device)
+    layer_p = bind_unit(spec, spec.units[1], device, compute_dtype, leaf=True)
+    layer_names = list(layer_p)
+    head_p = bind_unit(spec, spec.units[-1], device, compute_dtype, leaf=True)
+    head_names = list(head_p)
+    tied_w = bind_unit(spec, spec.units[0], device, compute_dtype, leaf=True)[spec.tied_weight_name] \
+        if spec.tied else None
+
+    def forward() -> None:
+        with torch.no_grad(), autocast_ctx(device, compute_dtype):
+            spec.layer(layer_p, x, rope)
+
+    def backward() -> None:
+        x_in = x.detach().requires_grad_()
+        with autocast_ctx(device, compute_dtype):
+            y = spec.layer(layer_p, x_in, rope)
+        torch.autograd.grad(y, [x_in] + [layer_p[n] for n in layer_names], grad_outputs=dy)
+
+    def head() -> None:
+        x_in = x.detach().requires_grad_()
+        with autocast_ctx(device, compute_dtype):
+            loss = spec.loss_sum(head_p, x_in, labels, tied_w)
+        torch.autograd.grad(loss, [x_in] + [head_p[n] for n in head_names] + ([tied_w] if spec.tied else []))
+
+    out = {}
+    for name, fn, n_flops in (("fwd", forward, layer_fwd_flops), ("bwd", backward, 3 * layer_fwd_flops),
+                              ("head", head, head_flops)):
+        seconds = median_s(fn, args, on_device, f"{mode} {name}")
+        out[f"{name}_tflops_{mode}"] = n_flops / seconds / 1e12
+        log(f"{mode:8} {name:4} {seconds * 1e3:9.2f} ms  {out[f'{name}_tflops_{mode}']:8.2f} TFLOP/s "
+            f"({n_flops / 1e12:.3f} TFLOP)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. PCIe
+
+
+@contextlib.contextmanager
+def pinned(nbytes: int) -> Iterator[torch.Tensor]:
+    """A page-locked host buffer: plain memory, touched, then registered with the driver (no power-of-two rounding,
+    unlike pin_memory=True); unregistered on exit, once the device has drained."""
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes / GIB:.2f} GiB failed with CUDA error {err}; the host may "
+                           "not allow that much locked memory (ulimit -l), try a smaller --copy-gib")
+    try:
+        yield buf
+    finally:
+        torch.cuda.synchronize()
+        err = int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
+        if err != 0:
+            raise RuntimeError(f"cudaHostUnregister failed with CUDA error {err}")
+
+
+class CopyBuffers:
+    """One buffer pair per direction: host_in -> dev_in (H2D), dev_out -> host_out (D2H)."""
+
+    def __init__(self, host_in: torch.Tensor, host_out: torch.Tensor, device: torch.device):
+        self.host_in, self.host_out = host_in, host_out
+        self.dev_in = torch.empty_like(host_in, device=device)
+        self.dev_out = torch.zeros_like(host_out, device=device)
+        self.nbytes = host_in.numel()
+
+    def h2d(self) -> None:
+        self.dev_in.copy_(self.host_in, non_blocking=True)
+
+    def d2h(self) -> None:
+        self.host_out.copy_(self.dev_out, non_blocking=True)
+
+
+def measure_pcie(bufs: CopyBuffers, args: argparse.Namespace) -> dict[str, float]:
+    h2d_stream, d2h_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both() -> None:
+        here = torch.cuda.current_stream()
+        for stream, copy in ((h2d_stream, bufs.h2d), (d2h_stream, bufs.d2h)):
+            stream.wait_stream(here)
+            with torch.cuda.stream(stream):
+                copy()
+        here.wait_stream(h2d_stream)
+        here.wait_stream(d2h_stream)
+
+    out = {}
+    for name, fn, nbytes in (("h2d_gbps", bufs.h2d, bufs.nbytes), ("d2h_gbps", bufs.d2h, bufs.nbytes),
+                             ("bidir_gbps", both, 2 * bufs.nbytes)):
+        seconds = median_s(fn, args, True, name)
+        out[name] = nbytes / seconds / 1e9
+        log(f"pcie {name[:-5]:5} {seconds * 1e3:9.2f} ms  {out[name]:8.2f} GB/s ({nbytes / GIB:.2f} GiB)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. Host AdamW, alone and under PCIe load
+
+
+class HostAdam:
+    """One flat fp32 parameter with its gradient, and a fused AdamW over it whose moments are pre-seeded (as
+    FlatAdamW seeds its views), so a step allocates nothing and only the update itself is timed."""
+
+    def __init__(self, numel: int):
+        gen = torch.Generator(device="cpu").manual_seed(INIT_SEED)
+        self.numel = numel
+        self.param = torch.nn.Parameter(torch.empty(numel).normal_(0.0, 0.02, generator=gen), requires_grad=False)
+        self.param.grad = torch.empty(numel).normal_(0.0, 1e-3, generator=gen)
+        self.opt = make_adamw([self.param], [], TrainConfig())
+        self.opt.state[self.param] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros(numel), "exp_avg_sq": torch.zeros(numel)}
+
+    def gparams_per_s(self, args: argparse.Namespace, what: str) -> float:
+        seconds = median_s(self.opt.step, args, False, what)
+        rate = self.numel / seconds / 1e9
+        log(f"{what:28} {seconds * 1e3:9.2f} ms  {rate:8.3f} Gparams/s ({self.numel / 1e9:.3f} G elements)")
+        return rate
+
+
+def keep_pcie_busy(bufs: CopyBuffers, stop: threading.Event) -> float:
+    """Until `stop` is set, keep both PCIe directions busy: rounds of one H2D and one D2H copy on two streams of
+    this thread's own, two rounds queued so the link never waits for the thread, which polls (sleeping, so that it
+    takes no core from the optimizer) rather than blocking in the driver. Returns the GB/s it moved, both
+    directions together."""
+    device = bufs.dev_in.device
+    h2d_stream, d2h_stream = torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)
+    queued: deque = deque()
+    rounds = 0
+    t0 = time.perf_counter()
+    while not stop.is_set():
+        events = []
+        for stream, copy in ((h2d_stream, bufs.h2d), (d2h_stream, bufs.d2h)):
+            with torch.cuda.stream(stream):
+                copy()
+                events.append(torch.cuda.Event())
+                events[-1].record(stream)
+        queued.append(events)
+        if len(queued) > 1:
+            oldest = queued.popleft()
+            while not all(ev.query() for ev in oldest):
+                time.sleep(PCIE_POLL_S)
+            rounds += 1
+    for events in queued:
+        for ev in events:
+            ev.synchronize()
+        rounds += 1
+    return 2 * bufs.nbytes * rounds / (time.perf_counter() - t0) / 1e9
+
+
+def adam_under_pcie(adam: HostAdam, bufs: CopyBuffers, args: argparse.Namespace) -> tuple[float, float]:
+    """The host AdamW rate while a thread keeps the link busy, and the GB/s that thread moved meanwhile."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pcie-load") as pool:
+        load = pool.submit(keep_pcie_busy, bufs, stop)
+        try:
+            rate = adam.gparams_per_s(args, "host adamw under pcie")
+        finally:
+            stop.set()
+        return rate, load.result()  # re-raises what failed in the thread
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def _shown(path: Path) -> str:
+    """A path as the profile's header names it: relative to the checkout when inside it."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(CHECKOUT)) if resolved.is_relative_to(CHECKOUT) else str(path)
+
+
+def _rounded(value: float) -> float:
+    return float(f"{value:.4g}")
+
+
+def write_profile(args: argparse.Namespace, figures: dict[str, float], not_measured: list[str],
+                  calibration: str) -> None:
+    """The base profile with `figures` replaced or added (figures of `not_measured` are 0), one field per line."""
+    profile = dict(args.base_profile)
+    profile.update({k: _rounded(v) for k, v in figures.items()})
+    profile["calibration"] = calibration
+    measured = [k for k in figures if k not in not_measured]
+    header = [f"# Written by bench/calibrate.py ({calibration}).",
+              f"# Measured here: {', '.join(measured)}; every other field is copied from {_shown(args.base)}."]
+    if not_measured:
+        header.append(f"# No CUDA device: {', '.join(not_measured)} were not measured and are written as 0.")
+    body = yaml.safe_dump(profile, sort_keys=False, width=2**16)  # the calibration line stays one line
+    atomic_write(args.out, lambda f: f.write(("\n".join(header) + "\n" + body).encode()))
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    model_cfg = check_args(parser, args)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the trainer runs (engine/cli.py)
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    compute_dtype = resolve_compute_dtype("auto", device)
+    log(f"{torch.cuda.get_device_name() if cuda else 'cpu'}: {args.model} layer at {args.micro_batch} x "
+        f"{args.seq_len} tokens in {str(compute_dtype).removeprefix('torch.')}, modes {', '.join(args.mode_list)}; "
+        f"median of {args.repeats} after {args.warmup} warm-up")
+    figures: dict[str, float] = {}
+    for mode in args.mode_list:
+        figures.update(measure_mode(model_cfg, mode, args, device, compute_dtype))
+        if cuda:
+            torch.cuda.empty_cache()
+
+    not_measured: list[str] = []
+    adam = HostAdam(args.adam_numel)
+    if cuda:
+        with pinned(args.copy_bytes) as host_in, pinned(args.copy_bytes) as host_out:
+            bufs = CopyBuffers(host_in, host_out, device)
+            figures.update(measure_pcie(bufs, args))
+            figures["cpu_adam_gparams_per_s"] = adam.gparams_per_s(args, "host adamw")
+            figures["cpu_adam_gparams_per_s_under_pcie"], load_gbps = adam_under_pcie(adam, bufs, args)
+            del bufs
+        log(f"  the PCIe load moved {load_gbps:.2f} GB/s (both directions) during that AdamW")
+    else:
+        figures["cpu_adam_gparams_per_s"] = adam.gparams_per_s(args, "host adamw")
+        not_measured = [*PCIE_FIGURES, "cpu_adam_gparams_per_s_under_pcie"]
+        figures.update({k: 0.0 for k in not_measured})
+        log(f"no CUDA device: {', '.join(not_measured)} not measured, written as 0")
+
+    env = run_environment()
+    calibration = (f"{env['date']} git {env['git_sha']} model {args.model} {args.micro_batch}x{args.seq_len} "
+                   f"torch {env['torch']} triton {env['triton']} gpu {env['gpu']} modes {','.join(args.mode_list)}")
+    if set(args.mode_list) != set(MODES):
+        calibration += f" (other modes' figures from {args.base.name})"
+    write_profile(args, figures, not_measured, calibration)
+    log(f"wrote {args.out}")
+    if args.jsonl is not None:
+        row = {"bench": "calibrate", **figures, "calibration": calibration, **env, "args": arguments}
+        if cuda:
+            row["pcie_load_gbps_during_adam"] = load_gbps
+        with open(args.jsonl, "a") as f:
+            f.write(json.dumps(row, allow_nan=False) + "\n")
+        log(f"appended a row to {args.jsonl}")
+    return figures
+
+
+if __name__ == "__main__":
+    main()

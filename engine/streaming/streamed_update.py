@@ -1,0 +1,132 @@
+"""The GPU-streamed update place (DESIGN.md §4): a unit whose optimizer state lives in host RAM, updated on the GPU.
+
+Such a unit's update of step t runs when step t+1's forward loads it, in place of the plain weight load:
+1. on the H2D stream, its fp32 master, m and v come into one of two GPU staging buffers (after the D2H that emptied
+   that buffer, and after the D2H that wrote this unit's state home the last time);
+2. on the same stream, behind the event recorded when the step's gradient norm and clip coefficient were known, the
+   gradient (kept in its GPU accumulator since the backward) is scaled and the unit is updated by the same fused
+   CUDA AdamW the reference runs, over views of the staging buffer (exact);
+3. still on the H2D stream, the fresh master is cast into the unit's weight slot (bf16 cast segment, fp32 tail):
+   no second H2D of the unit's weights;
+4. on the D2H stream, master, m and v go back to their pinned home; that copy frees the staging buffer.
+Cost per parameter: 12 B over H2D instead of the 4 B of a plain load, 12 B over D2H, about 28 B of HBM traffic for
+the AdamW kernel (milliseconds per layer), no CPU time. GPU memory: two staging buffers of 12 B/param of the largest
+streamed unit, and the unit's 4 B/param gradient accumulator, held from its backward to its next forward.
+
+Only events order the work: the host never waits for the device here. The staging buffer a unit uses is fixed by its
+rank among the streamed units (rank % 2), so each unit's AdamW (its parameter views and step counters) is built once.
+`flush` applies pending updates without a slot to cast into (before a checkpoint, an export or the end of the run);
+the next load of such a unit reads its master from home, after the D2H that wrote it.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from engine.device import Device
+from engine.model.layout import UnitLayout
+from engine.streaming.gradients import GradAccumulator
+from engine.streaming.slots import Slot
+from engine.streaming.stall_timer import StallTimer
+
+N_STAGES = 2
+
+
+class StateStage:
+    """One GPU staging buffer for a unit's fp32 master, m and v, and the event that frees it."""
+
+    def __init__(self, dev: Device, numel: int):
+        self.flat = dev.empty((3 * numel,), torch.float32)
+        self.numel = numel
+        self.free = dev.event()
+
+    def part(self, which: int, numel: int) -> torch.Tensor:
+        return self.flat[which * self.numel:which * self.numel + numel]
+
+
+class StreamedUpdater:
+    def __init__(self, dev: Device, h2d_stream, d2h_stream, layouts: List[UnitLayout], units: Sequence[int],
+                 homes: Dict[str, List[torch.Tensor]], timer: StallTimer):
+        """`homes`: "master", "m", "v" -> per-unit pinned host buffers (the streamed units' entries are used)."""
+        self.dev, self.h2d, self.d2h, self.layouts, self.timer = dev, h2d_stream, d2h_stream, layouts, timer
+        self.units = list(units)
+        self.homes = homes
+        numel = max((layouts[u].numel for u in self.units), default=0)
+        self.stages = [StateStage(dev, numel) for _ in range(min(N_STAGES, len(self.units)))]
+        self.stage_of = {u: self.stages[rank % len(self.stages)] for rank, u in enumerate(self.units)}
+        self.landed: Dict[int, object] = {}  # unit -> event: its state is back home
+        self.pending: Dict[int, GradAccumulator] = {}  # units whose update of the last step has not run yet
+        self.coef: Optional[torch.Tensor] = None
+        self.scale = False
+        self.lr = 0.0
+        self.grads_final = None
+
+    def state_views(self, unit: int) -> Dict[str, torch.Tensor]:
+        """The GPU views the unit's AdamW is built over (they alias its staging buffer)."""
+        stage, n = self.stage_of[unit], self.layouts[unit].numel
+        return {"master": stage.part(0, n), "m": stage.part(1, n), "v": stage.part(2, n)}
+
+    @property
+    def bytes(self) -> int:
+        return sum(4 * s.flat.numel() for s in self.stages)
+
+    def submit(self, grads: Dict[int, GradAccumulator], coef: torch.Tensor, scale: bool, lr: float) -> None:
+        """After the backward of a step that is not skipped: the streamed units' updates are due. Records the event
+        the updates wait for (the gradients and `coef` are final on the compute stream)."""
+        if self.pending:
+            raise RuntimeError(f"streamed updates of units {sorted(self.pending)} were never applied")
+        self.grads_final = self.dev.event()
+        self.grads_final.record()
+        self.dev.record_stream(coef, self.h2d)
+        self.pending = {u: grads[u] for u in self.units}
+        self.coef, self.scale, self.lr = coef, scale, lr
+
+    def update(self, unit: int, opt, slot: Optional[Slot]) -> None:
+        """Queue unit's update (and, with a slot, the cast of its fresh weights into it); see the module doc."""
+        acc = self.pending.pop(unit)
+        layout, stage = self.layouts[unit], self.stage_of[unit]
+        n, cast_n = layout.numel, layout.cast_numel
+        parts = [stage.part(i, n) for i in range(3)]
+        homes = [self.homes[k][unit] for k in ("master", "m", "v")]
+        with self.dev.on(self.h2d), self.timer.busy(self.h2d, "h2d"):
+            self.dev.wait_event(self.h2d, stage.free)
+            if unit in self.landed:
+                self.dev.wait_event(self.h2d, self.landed[unit])
+            for part, home in zip(parts, homes):
+                part.copy_(home, non_blocking=True)
+            self.dev.wait_event(self.h2d, self.grads_final)
+            if self.scale:
+                acc.flat.mul_(self.coef)
+            opt.step_unit(unit, acc.flat, self.lr)
+            acc.read_queued(self.h2d)
+            if slot is not None:
+                self.dev.wait_event(self.h2d, slot.free)
+                slot.tail[:n - cast_n].copy_(parts[0][cast_n:])
+                slot.cast[:cast_n].copy_(parts[0][:cast_n])
+                slot.ready.record(self.h2d)
+            updated = self.dev.event()
+            updated.record(self.h2d)
+        with self.dev.on(self.d2h), self.timer.busy(self.d2h, "d2h"):
+            self.dev.wait_event(self.d2h, updated)
+            for part, home in zip(parts, homes):
+                home.copy_(part, non_blocking=True)
+            stage.free.record(self.d2h)
+            landed = self.dev.event()
+            landed.record(self.d2h)
+        self.landed[unit] = landed
+        if slot is not None:
+            slot.unit = unit
+
+    def skip(self, grads: Dict[int, GradAccumulator]) -> None:
+        """A skipped step: the gradients will not be read."""
+        for u in self.units:
+            grads[u].release_unread()
+
+    def flush(self, opt) -> None:
+        """Apply every pending update now (no cast) and wait until all state is home."""
+        for unit in sorted(self.pending):
+            self.update(unit, opt, None)
+        for ev in self.landed.values():
+            ev.synchronize()

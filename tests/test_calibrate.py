@@ -1,0 +1,91 @@
+"""bench/calibrate.py on the CPU: a tiny layer in eager mode writes a profile the schema accepts, keeps the base
+profile's other fields, writes 0 for the figures that need CUDA, and refuses bad arguments before measuring."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from engine.config import HardwareConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+H200 = ROOT / "conf" / "hardware" / "h200.yaml"
+TINY = ["--model", "tiny", "--micro-batch", "1", "--seq-len", "64", "--modes", "eager", "--adam-gparams", "0.001",
+        "--repeats", "2", "--warmup", "1"]
+EAGER = ("fwd_tflops_eager", "bwd_tflops_eager", "head_tflops_eager")
+NEEDS_CUDA = ("h2d_gbps", "d2h_gbps", "bidir_gbps", "cpu_adam_gparams_per_s_under_pcie")
+
+
+def load_calibrate():
+    spec = importlib.util.spec_from_file_location("calibrate", ROOT / "bench" / "calibrate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def calibrate():
+    return load_calibrate()
+
+
+def test_writes_a_profile_from_the_base(calibrate, tmp_path):
+    base = OmegaConf.to_container(OmegaConf.load(H200))
+    base["fwd_tflops_compiled"] = 123.0  # a mode not measured keeps the base's figure
+    base["fwd_tflops_eager"] = -1.0  # a measured one is replaced
+    base_path = tmp_path / "base.yaml"
+    OmegaConf.save(OmegaConf.create(base), base_path)
+    out, jsonl = tmp_path / "measured.yaml", tmp_path / "rows.jsonl"
+
+    figures = calibrate.main([*TINY, "--base", str(base_path), "--out", str(out), "--jsonl", str(jsonl)])
+
+    assert out.read_text().startswith("# Written by bench/calibrate.py")
+    profile = OmegaConf.to_container(OmegaConf.load(out))
+    for key in EAGER + ("cpu_adam_gparams_per_s",):
+        assert profile[key] > 0, key
+    for key in NEEDS_CUDA:
+        assert (profile[key] > 0) if torch.cuda.is_available() else profile[key] == 0.0, key
+    assert profile["fwd_tflops_compiled"] == 123.0
+    for key, value in base.items():
+        if key not in figures and key != "calibration":
+            assert profile[key] == value, key
+    assert "model tiny 1x64" in profile["calibration"] and "modes eager" in profile["calibration"]
+    OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(out))  # the planner's schema reads it
+
+    (row,) = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert row["bench"] == "calibrate" and row["args"]["model"] == "tiny"
+    assert {"gpu", "torch", "triton", "git_sha", "date"} <= set(row)
+    for key in EAGER + NEEDS_CUDA + ("cpu_adam_gparams_per_s",):
+        assert row[key] == pytest.approx(figures[key]), key
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--model", "gpt5"], ["'gpt5'", "qwen7b", "tiny"]),
+    (["--modes", "eager,turbo"], ["'turbo'", "compiled"]),
+    (["--modes", ","], ["','"]),
+    (["--micro-batch", "0"], ["--micro-batch 0"]),
+    (["--seq-len", "-64"], ["--seq-len -64"]),
+    (["--seq-len", "8192"], ["--seq-len 8192", "max_position_embeddings=4096"]),
+    (["--copy-gib", "0"], ["--copy-gib 0.0"]),
+    (["--adam-gparams", "nan"], ["--adam-gparams nan"]),
+    (["--repeats", "0"], ["--repeats 0"]),
+    (["--warmup", "0"], ["--warmup 0"]),
+    (["--base", "/no/such/profile.yaml"], ["/no/such/profile.yaml"]),
+])
+def test_refuses_bad_arguments_naming_the_value(calibrate, tmp_path, capsys, args, named):
+    out = tmp_path / "never.yaml"
+    with pytest.raises(SystemExit) as exc:
+        calibrate.main([*TINY, *args, "--out", str(out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for text in named:
+        assert text in err
+    assert not out.exists()
+
+
+def test_refuses_an_output_in_a_missing_directory(calibrate, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        calibrate.main([*TINY, "--out", str(tmp_path / "missing" / "p.yaml")])
+    assert "does not exist" in capsys.readouterr().err
