@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
     ap.add_argument("--modes", default="compiled,eager",
                     help=f"comma-separated, from {', '.join(MODES)} (default: compiled,eager)")
+    ap.add_argument("--fused-loss", default="auto", choices=("auto", "on", "off"),
+                    help="the head as the run computes it (train.fused_loss; auto: fused on CUDA)")
     ap.add_argument("--copy-gib", type=float, default=1.0, help="GiB per PCIe copy (default: 1)")
     ap.add_argument("--adam-gparams", type=float, default=0.5,
                     help="billions of fp32 elements of the host AdamW parameter (default: 0.5, 8 GB of state)")
@@ -233,11 +235,15 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
         log("compiled: each measurement's first call compiles what it runs (seconds each on an H200)")
         spec.compile_templates()
     on_device = device.type == "cuda"
+    fused = args.fused_loss == "on" or (args.fused_loss == "auto" and on_device)
+    if fused:
+        spec.use_fused_loss()
     B, T, D = args.micro_batch, args.seq_len, spec.arch.hidden
     tokens = B * T
     flops = model_flops_per_token(model_cfg, T)
     layer_fwd_flops = flops["layer_forward_flops_per_token"] * tokens
-    head_flops = 4 * flops["head_forward_flops_per_token"] * tokens
+    # as the planner counts the head: forward + backward, and the chunked chain's recompute of the logits
+    head_flops = (3 if fused else 4) * flops["head_forward_flops_per_token"] * tokens
 
     gen = torch.Generator(device="cpu").manual_seed(INIT_SEED)
     x = torch.randn(B, T, D, generator=gen).to(device)  # the residual stream is fp32, as the fp32 embedding makes it
@@ -468,7 +474,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     env = run_environment()
     calibration = (f"{env['date']} git {env['git_sha']} model {args.model} {args.micro_batch}x{args.seq_len} "
-                   f"torch {env['torch']} triton {env['triton']} gpu {env['gpu']} modes {','.join(args.mode_list)}")
+                   f"torch {env['torch']} triton {env['triton']} gpu {env['gpu']} modes {','.join(args.mode_list)} "
+                   f"fused_loss {args.fused_loss}")
     if set(args.mode_list) != set(MODES):
         calibration += f" (other modes' figures from {args.base.name})"
     write_profile(args, figures, not_measured, calibration)

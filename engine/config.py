@@ -107,6 +107,9 @@ class TrainConfig:
     compute_dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     activation_checkpointing: bool = True  # engine=reference only: the stream engine always recomputes
     compile: str = "auto"  # torch.compile the layer and loss templates: auto (on CUDA) | on | off
+    # the LM head + cross-entropy fused in a Triton kernel, no logits recomputed (kernels/cross_entropy.py):
+    # auto (on CUDA) | on | off (the chunked torch chain, logits recomputed in the backward)
+    fused_loss: str = "auto"
     log_every: int = 1
     val_every: int = 25  # 0: validate only at the end
     val_batches: int = 8
@@ -475,6 +478,7 @@ def _validate_train(cfg: DictConfig) -> None:
     _choice("train.precision", t.precision, ("fp32_master",))
     _choice("train.compute_dtype", t.compute_dtype, ("auto", "bf16", "fp32"))
     _choice("train.compile", t.compile, ("auto", "on", "off"))
+    _choice("train.fused_loss", t.fused_loss, ("auto", "on", "off"))
     if t.resume not in ("none", "auto") and not os.path.isdir(os.path.expanduser(t.resume)):
         raise ConfigError(f"train.resume={t.resume!r} is not valid; use none, auto, or an existing checkpoint "
                           "directory (a run dir or its checkpoints/step_<N>)")

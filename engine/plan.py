@@ -100,11 +100,17 @@ def layer_activation_bytes_per_token(spec, compute_bytes: int) -> int:
     return int(kept * 1.5)  # gradients of the same tensors exist transiently during backward
 
 
-def loss_activation_bytes(spec, tokens: int) -> int:
-    from engine.model.dense import LOSS_CHUNK_ELEMS
+def loss_activation_bytes(spec, tokens: int, compute_bytes: int, fused: bool) -> int:
+    """The head's working memory for one micro-batch of `tokens`."""
+    from engine.model.dense import FUSED_LOSS_CHUNK_ELEMS, LOSS_CHUNK_ELEMS
 
-    chunk = min(tokens, max(1, LOSS_CHUNK_ELEMS // spec.arch.vocab))
-    return chunk * spec.arch.vocab * (2 + 4 + 4)  # bf16 logits, fp32 upcast, its gradient
+    a = spec.arch
+    if fused:  # one chunk of logits, the saved dh and the fp32 dW (+ its copy in the weight's dtype)
+        chunk = min(tokens, max(1, FUSED_LOSS_CHUNK_ELEMS // a.vocab))
+        return (compute_bytes * chunk * a.vocab + compute_bytes * tokens * a.hidden
+                + (4 + compute_bytes) * a.vocab * a.hidden + 4 * tokens * a.hidden)
+    chunk = min(tokens, max(1, LOSS_CHUNK_ELEMS // a.vocab))
+    return chunk * a.vocab * (2 + 4 + 4)  # bf16 logits, fp32 upcast, its gradient
 
 
 def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: bool = True) -> MemoryPlan:
@@ -127,12 +133,13 @@ class _Shape:
         self.layouts = [u.layout for u in spec.units]
         self.layer_numel = max(lay.numel for lay in self.layouts[1:-1])
         self.layer_cast = max(lay.cast_numel for lay in self.layouts[1:-1])
+        fused = fused_loss_on(cfg, on_gpu)
         self.act = (layer_activation_bytes_per_token(spec, self.compute_bytes) * self.mb_tokens
-                    + loss_activation_bytes(spec, self.mb_tokens))
+                    + loss_activation_bytes(spec, self.mb_tokens, self.compute_bytes, fused))
         flops = model_flops_per_token(cfg.model, t.seq_len)
         self.layer_fwd_flops = flops["layer_forward_flops_per_token"] * self.step_tokens
-        # the head runs forward twice (the step's forward and the fused loss's recompute) and backward once (2x)
-        self.head_flops = 4 * flops["head_forward_flops_per_token"] * self.step_tokens
+        # the head: forward + backward (2x); the chunked torch chain also recomputes the logits in its backward
+        self.head_flops = (3 if fused else 4) * flops["head_forward_flops_per_token"] * self.step_tokens
 
     def slot_bytes(self, lay) -> int:
         return self.compute_bytes * lay.cast_numel + 4 * (lay.numel - lay.cast_numel)
@@ -178,6 +185,12 @@ class Speeds:
 def runs_compiled(cfg, on_gpu: bool) -> bool:
     """Whether the templates will be torch.compiled (engine/trainer.py decides the same way)."""
     return cfg.train.compile == "on" or (cfg.train.compile == "auto" and on_gpu)
+
+
+def fused_loss_on(cfg, on_gpu: bool) -> bool:
+    """Whether the head runs the fused LM head + cross-entropy: `train.fused_loss=auto` is on with CUDA (on a CPU
+    the Triton kernel runs only under the interpreter, the tests' business)."""
+    return cfg.train.fused_loss == "on" or (cfg.train.fused_loss == "auto" and on_gpu)
 
 
 def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, float], str]:
@@ -335,16 +348,16 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
         placement.setdefault("grads_tier", "host")
         base, free_base = dict(placement), free
 
-        def complete(n_res: int, n_str: int) -> Optional[Tuple[dict, float]]:
+        def complete(n_res: int, n_str: int, force: bool = False) -> Optional[Tuple[dict, float]]:
             """The placement with this split and the rest of HBM spent (weights cached, gradients), or None when
-            the split does not fit."""
+            the split does not fit (unless `force`: the config fixed it, or nothing fits and the plan will say so)."""
             nonlocal free
             placement.clear()
             placement.update(base, cache_weights="on" if e.cache_weights == "on" else "off",
                              gpu_resident_units=n_res, gpu_streamed_units=n_str)
             free = free_base - _split_bytes(s, n_res, n_str, base["grads_tier"] == "gpu",
                                             placement["cache_weights"] == "on")
-            if free < 0 and (e.gpu_resident_units < 0 or e.gpu_streamed_units < 0):
+            if free < 0 and not force:
                 return None
             if e.cache_weights != "on":
                 resident_slots = sum(s.slot_bytes(layouts[u]) for u in range(1, min(n_res, L + 1)))
@@ -363,9 +376,11 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
                             else range(n_units - r + 1))]
         if not sp.known:  # no speeds to choose by: what the config fixes, else every update on the host
             splits = [(max(0, e.gpu_resident_units), max(0, e.gpu_streamed_units))]
-        chosen = choose_split(s, sp, [c for c in (complete(*split) for split in splits) if c is not None])
+        fixed_split = e.gpu_resident_units >= 0 and e.gpu_streamed_units >= 0
+        chosen = choose_split(s, sp, [c for c in (complete(*split, force=fixed_split) for split in splits)
+                                      if c is not None])
         placement.clear()
-        placement.update(chosen[0] if chosen else complete(*splits[0])[0])
+        placement.update(chosen[0] if chosen else complete(*splits[0], force=True)[0])
     plan.placement = placement
 
     n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]

@@ -49,7 +49,7 @@ from engine.data import DataError, build_data
 from engine.device import resolve_compute_dtype, resolve_device
 from engine.metrics import MetricsLogger
 from engine.model import ModelSpec
-from engine.plan import PlanError, build_plan
+from engine.plan import PlanError, build_plan, fused_loss_on, runs_compiled
 
 
 def host_mem_total_gib() -> float:
@@ -61,8 +61,10 @@ def host_mem_total_gib() -> float:
 
 
 def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype, plan):
-    if cfg.train.compile == "on" or (cfg.train.compile == "auto" and device.type == "cuda"):
+    if runs_compiled(cfg, device.type == "cuda"):
         spec.compile_templates()
+    if fused_loss_on(cfg, device.type == "cuda"):
+        spec.use_fused_loss()
     if cfg.engine.name == "reference":
         from engine.reference import ReferenceEngine
 

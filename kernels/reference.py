@@ -196,3 +196,44 @@ def merge_reference(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, 
     ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     out = torch.exp(l1 - ref)[..., None] * out1.double() + torch.exp(l2 - ref)[..., None] * out2.double()
     return out.to(out1.dtype), lse.to(lse1.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kernels/cross_entropy.py
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def cross_entropy_grad_reference(z_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
+                                 ignore_index: int = -100, with_grad: bool = True) -> torch.Tensor:
+    """The fused head's per-chunk step: fp32 per-row loss lse(z) - z[label] (0 where label == ignore_index, NaN
+    for another label outside [0, V)); with `with_grad`, z_CV is overwritten in place by
+    scale * (softmax(z) - onehot(label)) computed in fp32 and rounded to z's dtype (0 rows for ignored labels)."""
+    V = z_CV.shape[1]
+    z = z_CV.float()
+    lse = torch.logsumexp(z, dim=1)
+    valid = labels_C != ignore_index
+    in_range = (labels_C >= 0) & (labels_C < V)
+    safe = torch.where(in_range, labels_C, 0).unsqueeze(1)
+    loss = torch.where(in_range, lse - z.gather(1, safe).squeeze(1), float("nan"))
+    loss = torch.where(valid, loss, 0.0)
+    if with_grad:
+        onehot = torch.zeros_like(z).scatter_(1, safe, in_range.unsqueeze(1).float())
+        row_scale = torch.where(valid, scale, 0.0).unsqueeze(1)
+        z_CV.copy_((torch.exp(z - lse.unsqueeze(1)) - onehot) * row_scale)
+    return loss
+
+
+def linear_cross_entropy_reference(h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor,
+                                   scale: float = 1.0, ignore_index: int = -100,
+                                   chunk_tokens: int | None = None) -> torch.Tensor:
+    """The unfused head the fused kernel replaces: per chunk of tokens (default: all at once),
+    `F.cross_entropy(F.linear(h, W).float(), labels, reduction="sum")`, summed over chunks, times scale. Logits in
+    the inputs' dtype, softmax in fp32; differentiable by autograd (which keeps every chunk's logits)."""
+    N = h_ND.shape[0]
+    chunk = N if chunk_tokens is None else chunk_tokens
+    total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+    for start in range(0, N, max(chunk, 1)):
+        z = torch.nn.functional.linear(h_ND[start:start + chunk], weight_VD)
+        total = total + torch.nn.functional.cross_entropy(z.float(), labels_N[start:start + chunk],
+                                                          ignore_index=ignore_index, reduction="sum")
+    return total * scale

@@ -164,6 +164,7 @@ BAD = {
     "train.stop_at": ["train.stop_at=-1"],
     "train.max_consecutive_skips": ["train.max_consecutive_skips=-1"],
     "train.export_hf": ["train.export_hf=maybe"],
+    "train.fused_loss": ["train.fused_loss=yes"],
     "train.export_dtype": ["train.export_dtype=fp16"],
     "hardware.name": ["hardware.name=''"],
     "hardware.device": ["hardware.device=tpu"],

@@ -110,6 +110,19 @@ def test_every_placement_is_exact(placement, reference_runs):
     assert_same(m, ref_m)
 
 
+def test_fused_loss_is_exact_across_engines_and_matches_the_torch_chain(reference_runs):
+    """The fused LM head + cross-entropy (Triton, under the interpreter here): both engines run it, bit for bit
+    alike; against the chunked torch chain, fp32 rounding (other matmul groupings, dW summed over chunks in fp32)."""
+    fused = ["train.fused_loss=on", "engine.fused_kernels=false"]
+    ref_rec, ref_w, _, _ = train("reference", fused, steps=4)
+    rec, w, _, _ = train("stream", [*fused, "engine.gpu_resident_units=1", "engine.gpu_streamed_units=2"], steps=4)
+    assert [r["loss"] for r in rec] == [r["loss"] for r in ref_rec]
+    assert_same(w, ref_w)
+    torch_rec = _reference(reference_runs, "qwen2", FAMILIES["qwen2"])
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in ref_rec]),
+                               torch.tensor([r["loss"] for r in torch_rec[0][:4]]), rtol=1e-5, atol=0)
+
+
 def test_tied_embeddings_match_to_rounding():
     tied = ["model.tie_word_embeddings=true"]
     ref_rec, ref_w, ref_m, _ = train("reference", tied)

@@ -93,8 +93,14 @@ class ModelSpec:
         self._layer_fn = torch.compile(dense.decoder_layer, dynamic=False)
         self._loss_chunk_fn = torch.compile(dense.chunk_loss_sum, dynamic=False)
 
+    def use_fused_loss(self) -> None:
+        """Compute the head with the fused LM head + cross-entropy (kernels/cross_entropy.py) instead of the
+        chunked, recomputed torch chain."""
+        self.fused_loss = True
+
     _layer_fn = staticmethod(dense.decoder_layer)
     _loss_chunk_fn = staticmethod(dense.chunk_loss_sum)
+    fused_loss = False
 
     # Templates, bound to this architecture.
     def embed(self, p, ids_BT):
@@ -104,6 +110,8 @@ class ModelSpec:
         return self._layer_fn(p, x_BTD, rope, self.arch)
 
     def loss_sum(self, p, x_BTD, labels_BT, tied_weight=None):
+        if self.fused_loss:
+            return dense.fused_loss_sum(p, x_BTD, labels_BT, self.arch, tied_weight)
         return dense.loss_sum(p, x_BTD, labels_BT, self.arch, tied_weight, chunk_fn=self._loss_chunk_fn)
 
     @property
