@@ -1,4 +1,5 @@
-"""Benchmark kernels/grad_accum.py against the best plain-torch way, at the decoder-layer sizes of qwen7b/32b/72b.
+"""Benchmark engine/kernels/grad_accum.py against the best plain-torch way, at the decoder-layer sizes of
+qwen7b/32b/72b.
 
     python bench/bench_grad_accum.py --out bench/results/grad_accum.jsonl
     python bench/bench_grad_accum.py --out bench/results/grad_accum_sweep.jsonl --sweep
@@ -27,8 +28,8 @@ from engine.metrics import run_environment  # noqa: E402
 
 
 def bench_model(torch, model: str, copy_rate: float, info: dict, configs) -> list:
-    import kernels.grad_accum as G
-    import kernels.pack as P
+    import engine.kernels.grad_accum as G
+    import engine.kernels.pack as P
 
     layout = layer_layout(model)
     numel = layout.param_numel
@@ -106,8 +107,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time other BLOCK / num_warps configurations")
     args = ap.parse_args()
     torch, _ = require_gpu("bench_grad_accum")
-    import kernels.grad_accum as G
-    import kernels.pack as P
+    import engine.kernels.grad_accum as G
+    import engine.kernels.pack as P
 
     configs = SWEEP if args.sweep else [(P.BLOCK_GPU, P.NUM_WARPS_GPU)]
     default = (P.BLOCK_GPU, P.NUM_WARPS_GPU, G.SR_ROWS_GPU, G.SR_NUM_WARPS_GPU)

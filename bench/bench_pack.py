@@ -1,4 +1,4 @@
-"""Benchmark kernels/pack.py against the best plain-torch way, at the decoder-layer sizes of qwen7b/32b/72b.
+"""Benchmark engine/kernels/pack.py against the best plain-torch way, at the decoder-layer sizes of qwen7b/32b/72b.
 
     python bench/bench_pack.py --out bench/results/pack.jsonl
     python bench/bench_pack.py --out bench/results/pack_sweep.jsonl --sweep     # also try other BLOCK / num_warps
@@ -104,7 +104,7 @@ def write_rows(out: Path, rows) -> None:
 
 
 def bench_model(torch, model: str, copy_rate: float, info: dict, configs) -> list:
-    import kernels.pack as P
+    import engine.kernels.pack as P
 
     layout = layer_layout(model)
     rows = []
@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time other BLOCK / num_warps configurations")
     args = ap.parse_args()
     torch, _ = require_gpu("bench_pack")
-    import kernels.pack as P
+    import engine.kernels.pack as P
 
     configs = SWEEP if args.sweep else [(P.BLOCK_GPU, P.NUM_WARPS_GPU)]
     default = (P.BLOCK_GPU, P.NUM_WARPS_GPU)

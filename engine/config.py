@@ -107,7 +107,7 @@ class TrainConfig:
     compute_dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     activation_checkpointing: bool = True  # engine=reference only: the stream engine always recomputes
     compile: str = "auto"  # torch.compile the layer and loss templates: auto (on CUDA) | on | off
-    # the LM head + cross-entropy fused in a Triton kernel, no logits recomputed (kernels/cross_entropy.py):
+    # the LM head + cross-entropy fused in a Triton kernel, no logits recomputed (engine/kernels/cross_entropy.py):
     # auto (on CUDA) | on | off (the chunked torch chain, logits recomputed in the backward)
     fused_loss: str = "auto"
     log_every: int = 1
@@ -188,7 +188,7 @@ class EngineConfig:
     # -1: the planner's split (the fastest predicted step that fits)
     gpu_resident_units: int = -1
     gpu_streamed_units: int = -1
-    fused_kernels: bool = True  # stream: Triton gradient accumulation (kernels/grad_accum.py); off: torch ops
+    fused_kernels: bool = True  # stream: Triton gradient accumulation (engine/kernels/grad_accum.py); off: torch ops
 
 
 @dataclass

@@ -157,7 +157,7 @@ def test_wheel_carries_conf_and_finds_it_when_installed(tmp_path):
     """`pip wheel` of a copy of the sources (so the checkout gets no build/ dir); the unpacked wheel, first on
     PYTHONPATH and run from another directory, composes its packaged conf and resolves a hardware profile from it."""
     src = tmp_path / "src"
-    for name in ("engine", "kernels", "conf"):
+    for name in ("engine", "conf"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("setup.cfg", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
@@ -168,10 +168,12 @@ def test_wheel_carries_conf_and_finds_it_when_installed(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         zf.extractall(site)
-    modules = {p.relative_to(src).as_posix() for d in ("engine", "kernels") for p in (src / d).rglob("*.py")}
+    modules = {p.relative_to(src).as_posix() for p in (src / "engine").rglob("*.py")}
     yamls = {"streamtrain_conf/" + p.relative_to(src / "conf").as_posix() for p in (src / "conf").rglob("*.yaml")}
     assert not modules - names, f"not in the wheel (list their package in setup.cfg): {sorted(modules - names)}"
     assert not yamls - names, sorted(yamls - names)
+    # no top-level `kernels` package: that import name is Hugging Face's `kernels` (a transformers dependency)
+    assert not any(n.startswith("kernels/") for n in names), sorted(n for n in names if n.startswith("kernels/"))
     (entry_points,) = site.glob("*.dist-info/entry_points.txt")
     assert "streamtrain-train = engine.cli:cli" in entry_points.read_text()
 

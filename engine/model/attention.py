@@ -2,8 +2,8 @@
 
 torch's scaled_dot_product_attention with `enable_gqa` (query head j reads kv head j // (nh/kv), the grouping of
 HF's repeat_kv), or the optional flash-attn package where it is installed and applies (bf16/fp16 on CUDA). There
-is no knob yet: choosing a backend per run (`train.attention`, with the Triton kernel of kernels/attention.py among
-the choices, and never a silent switch away from the one asked for) is the long-context issue's work.
+is no knob yet: choosing a backend per run (`train.attention`, with the Triton kernel of engine/kernels/attention.py
+among the choices, and never a silent switch away from the one asked for) is the long-context issue's work.
 """
 
 from __future__ import annotations

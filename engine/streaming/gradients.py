@@ -2,7 +2,7 @@
 
 The accumulator holds the gradient in the unit's flat layout (the optimizer state's layout, so it crosses the link as
 one copy). `fused` accumulates all of a micro-batch's gradients in one Triton launch, bit-identical to the
-per-tensor torch copy_/add_ it replaces (kernels/grad_accum.py).
+per-tensor torch copy_/add_ it replaces (engine/kernels/grad_accum.py).
 
 Lifetime. Once a unit's backward is done the accumulator is handed to one reader: the D2H copy to the host
 (grads tier host, queued by the engine's thread), the host optimizer's fetch into pinned staging (grads tier gpu,
@@ -25,7 +25,7 @@ import torch
 
 from engine.device import Device
 from engine.streaming.stall_timer import StallTimer
-from kernels.grad_accum import accumulate_layout
+from engine.kernels.grad_accum import accumulate_layout
 
 
 class GradAccumulator:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import kernels.pack as P
+import engine.kernels.pack as P
 
 
 @pytest.fixture

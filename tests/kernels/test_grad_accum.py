@@ -1,4 +1,4 @@
-"""kernels/grad_accum.py: accumulation into the flat fp32 layout, and fp32 -> bf16 stochastic rounding.
+"""engine/kernels/grad_accum.py: accumulation into the flat fp32 layout, and fp32 -> bf16 stochastic rounding.
 
 The exactness contract is tested bit for bit (scale 1 == torch add_ / copy_); scaled accumulation and norms to
 fp32 rounding; stochastic rounding bit for bit against the torch reference of the same Philox stream, and
@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
-import kernels.grad_accum as G
-import kernels.pack as P
-from kernels.reference import (accumulate_reference, philox_reference, sq_norms_reference, stochastic_bits_reference,
-                               stochastic_round_reference)
+import engine.kernels.grad_accum as G
+import engine.kernels.pack as P
+from engine.kernels.reference import (accumulate_reference, philox_reference, sq_norms_reference,
+                                      stochastic_bits_reference, stochastic_round_reference)
 from tests.kernels.test_pack import (ODD_SHAPES, CountingKernel, aligned_offsets, bits, qwen7b_layer,
                                      small_layer, values)
 

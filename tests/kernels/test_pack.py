@@ -1,4 +1,4 @@
-"""kernels/pack.py against kernels/reference.py and torch.
+"""engine/kernels/pack.py against engine/kernels/reference.py and torch.
 
 CPU tests run the kernels under TRITON_INTERPRET=1 (tests/conftest.py) at small, odd sizes; the interpreter
 truncates fp32 -> bf16 where the GPU rounds to nearest even, so CPU checks of bf16 casts allow one bf16 ulp and
@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-import kernels.pack as P
+import engine.kernels.pack as P
 from engine.model.layout import ALIGN_ELEMS, ParamSpec, UnitLayout
-from kernels.reference import pack_reference, sq_norms_reference, unpack_reference
+from engine.kernels.reference import pack_reference, sq_norms_reference, unpack_reference
 
 SENTINEL = -1234.5  # exactly representable in fp32, bf16 and fp16
 

@@ -55,7 +55,7 @@ No autograd.Function: these are data-movement ops on leaf buffers (weights, grad
 that is differentiated.
 
 Without a GPU and without TRITON_INTERPRET=1 (a plain CPU run of the engine), the functions fall back to the torch
-references in kernels/reference.py, with identical results for exact ops.
+references in engine/kernels/reference.py, with identical results for exact ops.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ _COL_DTYPE = tl.constexpr(4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# jit helpers shared with kernels/grad_accum.py
+# jit helpers shared with engine/kernels/grad_accum.py
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def find_tensor(table_ptr, n_tensors, pid, NT_POW2: tl.constexpr):
@@ -224,7 +224,7 @@ def _unpack_kernel(table_ptr, flat_ptr, n_tensors, NT_POW2: tl.constexpr, BLOCK:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# host side: validation and the tensor table (shared with kernels/grad_accum.py)
+# host side: validation and the tensor table (shared with engine/kernels/grad_accum.py)
 # ---------------------------------------------------------------------------------------------------------------
 INTERPRETED = type(_pack_kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1 when triton was imported
 
@@ -233,8 +233,9 @@ def uses_triton(device: torch.device) -> bool:
     """True when kernels launch (CUDA tensors, or CPU tensors under the interpreter); False: torch fallback."""
     if device.type == "cuda":
         if INTERPRETED:
-            raise RuntimeError("kernels.pack / kernels.grad_accum: CUDA tensors with TRITON_INTERPRET=1: the tensor "
-                               "table holds device addresses the interpreter cannot read; run with TRITON_INTERPRET=0")
+            raise RuntimeError("engine.kernels.pack / engine.kernels.grad_accum: CUDA tensors with TRITON_INTERPRET=1: "
+                               "the tensor table holds device addresses the interpreter cannot read; run with "
+                               "TRITON_INTERPRET=0")
         return True
     return INTERPRETED
 
@@ -363,7 +364,7 @@ def _pack(op, tensors, offsets, out, compute_sq_norms, labels=None) -> Optional[
     tensors = list(tensors)
     offs = check_tensors(op, tensors, offsets, out, "out", labels)
     if not uses_triton(out.device):
-        from kernels.reference import pack_reference
+        from engine.kernels.reference import pack_reference
         return pack_reference(tensors, offs, out, compute_sq_norms)
     block, num_warps = launch_config(out.device)
     tt = tensor_table(tensors, offs, out, block) if tensors else None
@@ -395,7 +396,7 @@ def _unpack(op, flat, offsets, outs, labels=None) -> None:
     outs = list(outs)
     offs = check_tensors(op, outs, offsets, flat, "flat", labels)
     if not uses_triton(flat.device):
-        from kernels.reference import unpack_reference
+        from engine.kernels.reference import unpack_reference
         unpack_reference(flat, offs, outs)
         return
     if not outs:

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 import torch
 
 # ---------------------------------------------------------------------------------------------------------------
-# kernels/pack.py
+# engine/kernels/pack.py
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -43,7 +43,7 @@ def unpack_reference(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# kernels/grad_accum.py
+# engine/kernels/grad_accum.py
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -90,7 +90,7 @@ def _mul_hi_lo_u32(a: torch.Tensor, b: int):
 
 def philox_reference(seed: int, counter: torch.Tensor):
     """Philox-4x32-10 of counters (counter mod 2**32, counter >> 32, 0, 0) under key (seed low, seed high 32 bits):
-    the generator of kernels/grad_accum.py. `counter`: int64 tensor of non-negative values. Returns four int64
+    the generator of engine/kernels/grad_accum.py. `counter`: int64 tensor of non-negative values. Returns four int64
     tensors holding uint32 words."""
     seed = int(seed) & (2**64 - 1)
     c0 = counter & _M32
@@ -136,7 +136,7 @@ def stochastic_round_reference(x: torch.Tensor, seed: int = 0, offset: int = 0,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# kernels/attention.py
+# engine/kernels/attention.py
 # They materialise the [B, Hq, Tq, Tk] scores: tests and small shapes only. Same semantics as the kernel: query
 # row i at key position p_i = q_offset + i (default Tk - Tq); key j visible iff j <= p_i (causal) and
 # j > p_i - window (window: HF / gpt-oss `sliding_window_overlay`); sinks [Hq] are extra logits with zero value
@@ -199,7 +199,7 @@ def merge_reference(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# kernels/cross_entropy.py
+# engine/kernels/cross_entropy.py
 # ---------------------------------------------------------------------------------------------------------------
 
 

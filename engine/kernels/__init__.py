@@ -1,0 +1,1 @@
+"""Triton kernels, one op per file, each with a pure-torch reference in engine/kernels/reference.py."""
