@@ -165,7 +165,7 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
                         "optimizer": 28 * n / HBM_ADAMW_BYTES_PER_S}
         plan.times_s["step"] = sum(plan.times_s.values()) + STEP_OVERHEAD_S
         plan.binding = "GPU compute"
-        plan.speeds = f"speeds: {sp.mode} figures of hardware={hw.name} ({hw.calibration or 'not calibrated'})"
+        plan.speeds = sp.describe(hw)
     return plan
 
 
@@ -180,6 +180,9 @@ class Speeds:
         self.h2d, self.d2h, self.bidir = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9, hw.bidir_gbps * 1e9
         self.adam, self.adam_pcie = hw.cpu_adam_gparams_per_s * 1e9, hw.cpu_adam_gparams_per_s_under_pcie * 1e9
         self.known = min(self.fwd, self.bwd, self.head) > 0
+
+    def describe(self, hw) -> str:
+        return f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"
 
 
 def runs_compiled(cfg, on_gpu: bool) -> bool:
@@ -418,5 +421,5 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
         plan.add("gpu", "allocator margin + CUDA context", int(margin_gib * GIB))
     if sp.known:
         plan.times_s, plan.binding = predict_stream(s, sp, placement)
-        plan.speeds = f"speeds: {sp.mode} figures of hardware={hw.name} ({hw.calibration or 'not calibrated'})"
+        plan.speeds = sp.describe(hw)
     return plan

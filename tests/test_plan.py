@@ -44,3 +44,38 @@ def test_a_memory_cap_is_not_another_card(monkeypatch):
     assert capped.hardware.fwd_tflops_compiled == h200.fwd_tflops_compiled  # the H200's figures, not another card's
     assert hardware.usable_gpu_gib(make_cfg(["hardware=h200"], validated=False).hardware, card_gib=140.4) == 139.0
     assert hardware.usable_gpu_gib(make_cfg([], validated=False).hardware, card_gib=0.0) == 0.0
+
+
+def _stream_plan(overrides, gpu_gib=139.0):
+    cfg = make_cfg(["model=qwen7b", "engine=stream", "hardware=h200", "train=throughput", "train.seq_len=4096",
+                    "plan=true", *overrides])
+    return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=gpu_gib, host_gib=125.0, on_gpu=True, check=False)
+
+
+def test_the_split_uses_all_three_places_when_hbm_is_short_of_the_whole_state():
+    """qwen7b at 64K tokens/step on an H200: 91 GB of state does not fit beside the activations, so some units
+    stream their state and some go to the host; the prediction hides the update under the forward."""
+    plan = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=8"])
+    p = plan.placement
+    n_units = 30
+    assert p["gpu_resident_units"] > 0 and p["gpu_streamed_units"] > 0
+    assert p["gpu_resident_units"] + p["gpu_streamed_units"] < n_units
+    assert not plan.problem()
+    assert plan.times_s["exposed_wait"] <= 0.01 * plan.times_s["step"]
+    assert "GPU-streamed" in plan.table() and "calibrat" in plan.table()
+
+
+def test_a_smaller_gpu_moves_units_off_it_and_a_fixed_split_is_kept():
+    roomy = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2"]).placement
+    small = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2"], gpu_gib=60.0).placement
+    assert small["gpu_resident_units"] < roomy["gpu_resident_units"]
+    fixed = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2", "engine.gpu_resident_units=3",
+                          "engine.gpu_streamed_units=7"]).placement
+    assert (fixed["gpu_resident_units"], fixed["gpu_streamed_units"]) == (3, 7)
+
+
+def test_without_calibrated_speeds_every_update_stays_on_the_host():
+    zero = [f"hardware.{k}_tflops_{m}=0" for k in ("fwd", "bwd", "head") for m in ("compiled", "eager")]
+    plan = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=8", *zero])
+    assert (plan.placement["gpu_resident_units"], plan.placement["gpu_streamed_units"]) == (0, 0)
+    assert not plan.times_s
