@@ -188,6 +188,9 @@ class EngineConfig:
     # -1: the planner's split (the fastest predicted step that fits)
     gpu_resident_units: int = -1
     gpu_streamed_units: int = -1
+    # stream: the last N decoder layers keep their forward's autograd graph for the backward instead of recomputing
+    # it (saves 2 x params x tokens FLOPs per layer, costs that layer's saved activations in GPU memory)
+    keep_activation_layers: int = 0
     fused_kernels: bool = True  # stream: Triton gradient accumulation (engine/kernels/grad_accum.py); off: torch ops
 
 
@@ -373,9 +376,14 @@ def validate(cfg: DictConfig) -> None:
     _choice("engine.cache_weights", e.cache_weights, ("auto", "on", "off"))
     _positive("engine.gpu_resident_units", e.gpu_resident_units, -1)
     _positive("engine.gpu_streamed_units", e.gpu_streamed_units, -1)
+    _positive("engine.keep_activation_layers", e.keep_activation_layers, 0)
+    if e.keep_activation_layers > cfg.model.num_hidden_layers:
+        raise ConfigError(f"engine.keep_activation_layers={e.keep_activation_layers} must be <= "
+                          f"model.num_hidden_layers={cfg.model.num_hidden_layers}")
     if e.name == "stream" and not cfg.train.activation_checkpointing:
-        raise ConfigError("train.activation_checkpointing=false does not apply to engine=stream, which always keeps "
-                          "layer inputs and recomputes each layer in the backward; engine=reference honours false")
+        raise ConfigError("train.activation_checkpointing=false does not apply to engine=stream, which keeps layer "
+                          "inputs and recomputes each layer in the backward (all but the last "
+                          "engine.keep_activation_layers); engine=reference honours false")
 
     if not 0 <= cfg.seed < 2**63:
         raise ConfigError(f"seed={cfg.seed} must be within [0, 2**63)")

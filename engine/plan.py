@@ -126,6 +126,7 @@ class _Shape:
 
     def __init__(self, spec, cfg, on_gpu: bool):
         t = cfg.train
+        self.spec = spec
         self.compute_bytes = 2 if on_gpu and t.compute_dtype != "fp32" else 4
         self.mb_tokens = t.micro_batch_size * t.seq_len
         self.step_tokens = self.mb_tokens * t.grad_accum
@@ -140,6 +141,13 @@ class _Shape:
         self.layer_fwd_flops = flops["layer_forward_flops_per_token"] * self.step_tokens
         # the head: forward + backward (2x); the chunked torch chain also recomputes the logits in its backward
         self.head_flops = (3 if fused else 4) * flops["head_forward_flops_per_token"] * self.step_tokens
+
+    @property
+    def kept_graph_bytes(self) -> int:
+        """What one layer's kept autograd graph holds for all micro-batches (the tensors the recompute would
+        rebuild), plus the layer's own slot."""
+        per_token = layer_activation_bytes_per_token(self.spec, self.compute_bytes) / 1.5
+        return int(per_token * self.step_tokens) + self.slot_bytes(self.layouts[1])
 
     def slot_bytes(self, lay) -> int:
         return self.compute_bytes * lay.cast_numel + 4 * (lay.numel - lay.cast_numel)
@@ -249,11 +257,13 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     fwd_h2d, fwd_d2h = h2d_busy, d2h_busy
     head = s.head_flops / sp.head
     backward = 0.0
+    first_kept = s.L - placement.get("keep_activation_layers", 0) + 1
     for u in range(1, s.L + 1):
-        reload = 0.0 if cached or place[u] == "resident" else 4 * numel[u] / sp.h2d
+        kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
+        reload = 0.0 if cached or kept or place[u] == "resident" else 4 * numel[u] / sp.h2d
         grad_out = 4 * numel[u] / sp.d2h if grads_host and place[u] == "host" else 0.0
-        act_in = layer_input_bytes / sp.h2d if activations_host else 0.0
-        backward += max(3 * s.layer_fwd_flops / sp.bwd, reload + act_in, grad_out)
+        act_in = layer_input_bytes / sp.h2d if activations_host and not kept else 0.0
+        backward += max((2 if kept else 3) * s.layer_fwd_flops / sp.bwd, reload + act_in, grad_out)
         h2d_busy += reload + act_in
         d2h_busy += grad_out
     resident_adam = sum(numel[:n_res]) * 28 / HBM_ADAMW_BYTES_PER_S
@@ -309,11 +319,13 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
 
     from engine.streaming.slots import STAGING_ELEMS
 
+    n_kept = min(e.keep_activation_layers, L)
     fixed = [
         ("H2D staging buffer (fp32)", 4 * min(STAGING_ELEMS, max(lay.cast_numel for lay in layouts))),
         ("embedding + head slots", s.slot_bytes(layouts[0]) + s.slot_bytes(layouts[-1])),
         ("residual stream + its gradient, all micro-batches", 2 * 4 * s.h * s.step_tokens),
         ("working activations (one layer + loss chunk)", s.act),
+        (f"autograd graphs of the last {n_kept} layers (no recompute)", n_kept * s.kept_graph_bytes),
     ]
     ring_bytes = min(e.slots, L) * (s.compute_bytes * s.layer_cast + 4 * (s.layer_numel - s.layer_cast))
     side_grad_bytes = 4 * (layouts[0].numel + layouts[-1].numel + min(2, L) * s.layer_numel)
@@ -323,7 +335,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     margin_gib = 2.0 + 0.05 * gpu_gib if on_gpu else 0.0
     state_bytes = [12 * lay.numel for lay in layouts]  # fp32 master + m + v
 
-    placement: Dict[str, object] = {"slots": min(e.slots, L)}
+    placement: Dict[str, object] = {"slots": min(e.slots, L), "keep_activation_layers": n_kept}
     if not on_gpu:  # one memory: explicit choices are honoured so CPU runs exercise every code path
         placement.update({"activation_tier": "gpu" if e.activation_tier == "gpu" else "host",
                           "grads_tier": "gpu" if e.grads_tier == "gpu" else "host",

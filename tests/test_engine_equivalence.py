@@ -99,6 +99,10 @@ def test_stream_matches_reference_bit_for_bit(family, reference_runs):
     ["engine.gpu_streamed_units=5"],
     ["engine.gpu_resident_units=2", "engine.gpu_streamed_units=2", "engine.grads_tier=gpu", "engine.cache_weights=on"],
     ["engine.gpu_streamed_units=3", "engine.activation_tier=gpu", "engine.slots=3"],
+    ["engine.keep_activation_layers=2"],
+    ["engine.keep_activation_layers=3", "engine.gpu_resident_units=2", "engine.gpu_streamed_units=2",
+     "engine.grads_tier=gpu"],
+    ["engine.keep_activation_layers=1", "engine.cache_weights=on", "engine.activation_tier=gpu"],
 ])
 def test_every_placement_is_exact(placement, reference_runs):
     """Placements are orthogonal to the fused accumulation kernel, which the family tests run (under the Triton
@@ -217,3 +221,20 @@ def test_unit_state_round_trip(engine):
     finally:
         a.close()
         b.close()
+
+
+def test_kept_layers_are_not_recomputed():
+    """With the last 2 of 3 layers' graphs kept, one step runs each layer forward once per micro-batch and
+    recomputes only the first layer (placement tests above show the result is bit-identical)."""
+    cfg, eng, data = build("stream", ["engine.keep_activation_layers=2", "engine.fused_kernels=false"])
+    calls = []
+    layer = eng.spec.layer
+    eng.spec.layer = lambda p, x, rope: calls.append(torch.is_grad_enabled()) or layer(p, x, rope)
+    t = cfg.train
+    try:
+        eng.train_step([data.batch("train", j, t.micro_batch_size) for j in range(t.grad_accum)], 1e-3)
+    finally:
+        eng.close()
+    L, M = cfg.model.num_hidden_layers, t.grad_accum
+    assert len(calls) == L * M + (L - 2) * M
+    assert sum(calls) == 2 * M + (L - 2) * M  # kept forwards and recomputes run with autograd on

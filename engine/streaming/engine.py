@@ -10,7 +10,9 @@ One step over M micro-batches:
    end of the graph), giving each micro-batch's residual gradient and the head's parameter gradient.
 3. Backward, layers L..1. Each layer's weights are found still resident (the last `slots` layers of the forward,
    or every layer when the plan caches weights) or streamed again; each micro-batch's forward is recomputed from its
-   kept input with autograd on and back-propagated with `torch.autograd.grad`. The layer's gradient accumulates in
+   kept input with autograd on and back-propagated with `torch.autograd.grad`. The last `keep_activation_layers`
+   layers skip that recompute: their forward ran with autograd on and kept its graph (which reads the weights in
+   the layer's own slot), so their backward starts from it. The layer's gradient accumulates in
    fp32 on the GPU over micro-batches (bf16 autograd gradients are upcast exactly, as autocast's cast-backward
    does in the reference), its per-tensor norms are taken on the GPU, and it either stays on the GPU (grads tier
    gpu) or goes to pinned host memory on the D2H stream. Then the embedding's backward (a scatter-add, no weights).
@@ -118,6 +120,12 @@ class StreamEngine:
         self.layer_slots = [self.loader.new_slot(layer_layouts) for _ in range(n_layer_slots)]
         self.device_slots = {} if self.cache_weights else {
             u: self.loader.new_slot([layouts[u]]) for u in sorted(self.resident_units) if 0 < u <= L}
+        # the last `keep_activation_layers` layers keep their forward's autograd graph (no recompute); the graph
+        # reads the layer's weights in its slot, so each has a slot of its own until its backward
+        self.kept_layers = set(range(L - placement.get("keep_activation_layers", 0) + 1, L + 1))
+        self.kept_slots = {} if self.cache_weights else {
+            u: self.loader.new_slot([layouts[u]]) for u in sorted(self.kept_layers) if u not in self.device_slots}
+        self.graphs: Dict[Tuple[int, int], tuple] = {}  # (layer unit, micro-batch) -> (input leaf, output, params)
         self.slot_version: Dict[int, int] = {}  # id(slot) -> weights version it holds
 
         fused = cfg.engine.fused_kernels
@@ -174,6 +182,8 @@ class StreamEngine:
             return self.layer_slots[unit - 1]
         if unit in self.device_slots:
             return self.device_slots[unit]
+        if unit in self.kept_slots:
+            return self.kept_slots[unit]
         for slot in self.layer_slots:
             if slot.unit == unit:
                 return slot
@@ -269,11 +279,20 @@ class StreamEngine:
         self._load_ahead(order, 0, wait=True)
         for k in range(1, L + 1):
             p = self._enter(order, k)
-            with torch.no_grad(), autocast_ctx(self.dev.device, self.compute_dtype):
+            kept = keep and k in self.kept_layers
+            if kept:
+                p = _leaves(p)
+            with torch.set_grad_enabled(kept), autocast_ctx(self.dev.device, self.compute_dtype):
                 for m in range(len(x)):
                     if keep:
                         self.activations.put(k - 1, m, x[m])
-                    x[m] = spec.layer(p, x[m], self.rope)
+                    if kept:
+                        x_in = x[m].detach().requires_grad_()
+                        y = spec.layer(p, x_in, self.rope)
+                        self.graphs[(k, m)] = (x_in, y, p)
+                        x[m] = y.detach()
+                    else:
+                        x[m] = spec.layer(p, x[m], self.rope)
             self._release(k)
             self._load_ahead(order, k, wait=True)  # the last layer's window holds the head
         return x
@@ -307,17 +326,24 @@ class StreamEngine:
         spec, L = self.spec, self.spec.num_layers
         order = list(range(L, 0, -1))
         for k, unit in enumerate(order):
-            p = _leaves(self._enter(order, k))
-            names = list(p)
+            kept = unit in self.kept_layers
+            if kept:  # weights still in the layer's own slot, read by the kept graph
+                self._load_ahead(order, k, wait=False)
+            else:
+                p = _leaves(self._enter(order, k))
             acc = self._acc_for(unit)
             for m in range(len(dx)):
                 if m + 1 < len(dx):
                     self.activations.prefetch(unit - 1, m + 1)
                 elif k + 1 < len(order):
                     self.activations.prefetch(unit - 2, 0)
-                x_in = self.activations.get(unit - 1, m).requires_grad_()
-                with autocast_ctx(self.dev.device, self.compute_dtype):
-                    y = spec.layer(p, x_in, self.rope)
+                if kept:
+                    x_in, y, p = self.graphs.pop((unit, m))
+                else:
+                    x_in = self.activations.get(unit - 1, m).requires_grad_()
+                    with autocast_ctx(self.dev.device, self.compute_dtype):
+                        y = spec.layer(p, x_in, self.rope)
+                names = list(p)
                 grads = torch.autograd.grad(y, [x_in] + [p[n] for n in names], grad_outputs=dx[m])
                 dx[m] = grads[0]
                 acc.add(dict(zip(names, grads[1:])))
@@ -497,7 +523,8 @@ class StreamEngine:
     def memory_bytes(self) -> Dict[str, int]:
         out = {f"host_{k}": b for k, b in self.store.bytes_by_kind.items()}
         gpu = sum(s.cast.numel() * s.cast.element_size() + 4 * s.tail.numel()
-                  for s in [self.embed_slot, self.head_slot, *self.layer_slots, *self.device_slots.values()])
+                  for s in [self.embed_slot, self.head_slot, *self.layer_slots, *self.device_slots.values(),
+                            *self.kept_slots.values()])
         out["device_slots"] = gpu
         accs = list({id(a): a for a in [*self.acc.values(), *self.layer_accs, *self.device_accs.values()]}.values())
         out["device_grad_accumulators"] = sum(4 * a.flat.numel() for a in accs)
