@@ -225,6 +225,7 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     link_each = min(sp.h2d, sp.d2h, sp.bidir / 2)  # each direction's rate while both stream
     layer_input_bytes = 4 * s.h * s.step_tokens  # one layer's kept inputs, all micro-batches
     compute = [s.layer_fwd_flops / sp.fwd if 1 <= u <= s.L else 0.0 for u in range(n_units)]
+    first_kept = s.L - placement.get("keep_activation_layers", 0) + 1  # layers from here on keep their graphs
 
     host_done, clock = [0.0] * n_units, 0.0
     for u in range(n_units):
@@ -247,7 +248,7 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
             h2d_t = 0.0 if place[u] == "resident" else 4 * numel[u] / sp.h2d
         h2d_end[u] = h2d_prev = start + h2d_t
         d2h_t = (12 * numel[u] / link_each if place[u] == "streamed" else 0.0) + \
-            (layer_input_bytes / sp.d2h if activations_host and 1 <= u <= s.L else 0.0)
+            (layer_input_bytes / sp.d2h if activations_host and 1 <= u < first_kept else 0.0)
         d2h_end[u] = d2h_prev = max(d2h_prev, h2d_end[u]) + d2h_t
         h2d_busy += h2d_t
         d2h_busy += d2h_t
@@ -257,7 +258,6 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     fwd_h2d, fwd_d2h = h2d_busy, d2h_busy
     head = s.head_flops / sp.head
     backward = 0.0
-    first_kept = s.L - placement.get("keep_activation_layers", 0) + 1
     for u in range(1, s.L + 1):
         kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
         reload = 0.0 if cached or kept or place[u] == "resident" else 4 * numel[u] / sp.h2d
@@ -329,7 +329,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     ]
     ring_bytes = min(e.slots, L) * (s.compute_bytes * s.layer_cast + 4 * (s.layer_numel - s.layer_cast))
     side_grad_bytes = 4 * (layouts[0].numel + layouts[-1].numel + min(2, L) * s.layer_numel)
-    activation_bytes = L * 4 * s.h * s.step_tokens
+    activation_bytes = (L - n_kept) * 4 * s.h * s.step_tokens  # kept layers' inputs live in their graphs
     grad_bytes = 4 * sum(lay.numel for lay in layouts)
     cache_bytes = sum(s.slot_bytes(lay) for lay in layouts[1:-1])
     margin_gib = 2.0 + 0.05 * gpu_gib if on_gpu else 0.0

@@ -284,7 +284,7 @@ class StreamEngine:
                 p = _leaves(p)
             with torch.set_grad_enabled(kept), autocast_ctx(self.dev.device, self.compute_dtype):
                 for m in range(len(x)):
-                    if keep:
+                    if keep and not kept:
                         self.activations.put(k - 1, m, x[m])
                     if kept:
                         x_in = x[m].detach().requires_grad_()
@@ -332,10 +332,11 @@ class StreamEngine:
             else:
                 p = _leaves(self._enter(order, k))
             acc = self._acc_for(unit)
-            for m in range(len(dx)):
+            for m in range(len(dx)):  # prefetch the next layer input the backward will recompute from
                 if m + 1 < len(dx):
-                    self.activations.prefetch(unit - 1, m + 1)
-                elif k + 1 < len(order):
+                    if not kept:
+                        self.activations.prefetch(unit - 1, m + 1)
+                elif k + 1 < len(order) and order[k + 1] not in self.kept_layers:
                     self.activations.prefetch(unit - 2, 0)
                 if kept:
                     x_in, y, p = self.graphs.pop((unit, m))
