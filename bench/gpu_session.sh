@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call: carried wheels, then the named stages, each writing JSONL and logs under $OUT.
 #   bash bench/gpu_session.sh tests kernels checkpoint housekeeping perf7b peers attention
+#   bash bench/gpu_session.sh streamtests peers3b perf17 planner17     # issue 17 (planner17 reads peers3b's rows)
 # Each stage's full log is kept under $OUT (gpu_tests.log; logs.tgz holds every engine job's log).
 # Needs .whl/ carried (hydra/omegaconf/antlr wheels; .whl/peers/ for DeepSpeed) and STREAMTRAIN_GIT_SHA set.
 set -u
