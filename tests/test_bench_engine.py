@@ -1,0 +1,31 @@
+"""bench/bench_engine.py's ratios: only rows of the same model and tokens per step are compared, every
+comparison is named after the baseline's `system`, and a failed baseline says why instead of giving a number."""
+
+import importlib.util
+from pathlib import Path
+
+SPEC = importlib.util.spec_from_file_location("bench_engine", Path(__file__).resolve().parent.parent / "bench" /
+                                              "bench_engine.py")
+bench_engine = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(bench_engine)
+
+
+def _row(engine, model, tokens, tok_s, hardware="h200"):
+    return {"engine": engine, "model": model, "tokens_per_step": tokens, "tokens_per_s": tok_s, "hardware": hardware}
+
+
+def test_ratios_against_the_reference_and_the_peers_of_the_same_shape():
+    rows = [_row("stream", "qwen7b", 65536, 11000.0), _row("reference", "qwen7b", 65536, 10000.0),
+            _row("stream", "qwen7b", 16384, 9000.0), _row("stream", "qwen3b", 32768, 20000.0),
+            {"job": "oom", "error": "exit 1"}]
+    peers = [{"system": "all_on_gpu", "model": "qwen3b", "tokens_per_step": 32768, "tokens_per_s": 16000.0},
+             {"system": "fsdp2_cpu_offload", "model": "qwen3b", "tokens_per_step": 32768, "error": "host OOM"},
+             {"system": "all_on_gpu", "model": "qwen7b", "tokens_per_step": 8192, "tokens_per_s": 7000.0}]
+    bench_engine.add_ratios(rows, peers)
+    assert rows[0]["ratio_vs_reference"] == 1.1
+    assert "ratio_vs_reference" not in rows[1] and "ratio_vs_reference" not in rows[2]
+    assert not any(k.startswith("ratio_vs_all_on_gpu") for r in rows[:3] for k in r)
+    assert rows[3]["ratio_vs_all_on_gpu"] == 1.25
+    assert rows[3]["ratio_vs_fsdp2_cpu_offload"] is None
+    assert rows[3]["ratio_vs_fsdp2_cpu_offload_why"] == "host OOM"
+    assert set(rows[4]) == {"job", "error"}
