@@ -92,6 +92,17 @@ GRIDS = {
         ("qwen3b-stream-16k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                "train.micro_batch_size=2", "train.grad_accum=2"]),
     ],
+    # issue 17: layers whose forward graph is kept (no recompute) at 64K tokens per step, next to the planner's default
+    "kept17": [
+        (f"qwen7b-stream-64k-kept{n}", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
+                                        "train.micro_batch_size=2", "train.grad_accum=8",
+                                        f"engine.keep_activation_layers={n}"])
+        for n in (1, 2, 4)
+    ] + [
+        ("qwen7b-stream-64k-mb4-kept2", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
+                                         "train.micro_batch_size=4", "train.grad_accum=4",
+                                         "engine.keep_activation_layers=2"]),
+    ],
     # issue 16: the paths the review asked to see complete on the GPU: a 24 GB cap, and gradients on the host with
     # every unit updated by the host AdamW (the last gradient D2H is still in flight when the step's timer is read)
     "housekeeping": [

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call: carried wheels, then the named stages, each writing JSONL and logs under $OUT.
 #   bash bench/gpu_session.sh tests kernels checkpoint housekeeping perf7b peers attention
-#   bash bench/gpu_session.sh streamtests peers3b perf17 planner17     # issue 17 (planner17 reads peers3b's rows)
+#   bash bench/gpu_session.sh calibrate streamtests peers3b planner17 perf17 kept17   # issue 17 (planner17 reads
+#   peers3b's rows; calibrate rewrites conf/hardware/h200.yaml under $OUT, to be committed by hand)
 # Each stage's full log is kept under $OUT (gpu_tests.log; logs.tgz holds every engine job's log).
 # Needs .whl/ carried (hydra/omegaconf/antlr wheels; .whl/peers/ for DeepSpeed) and STREAMTRAIN_GIT_SHA set.
 set -u
@@ -26,6 +27,10 @@ for stage in "$@"; do
                  --out "$OUT/attention.jsonl" 2>&1 | tail -12 ;;
     streamtests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
                    tests/test_stream_gpu.py > "$OUT/gpu_stream_tests.log" 2>&1; tail -30 "$OUT/gpu_stream_tests.log" ;;
+    calibrate) timeout 200 python3 bench/calibrate.py --out "$OUT/h200.yaml" --jsonl "$OUT/calibrate.jsonl" \
+                 2>&1 | tail -16 ;;
+    kept17) timeout 560 python3 bench/bench_engine.py --grid kept17 --out "$OUT/engine.jsonl" \
+              --workdir /tmp/bench --timeout-s 140 2>&1 | tail -10 ;;
     perf17) timeout 560 python3 bench/bench_engine.py --grid perf17 --out "$OUT/engine.jsonl" \
               --workdir /tmp/bench --timeout-s 170 2>&1 | tail -10 ;;
     planner17) timeout 560 python3 bench/bench_engine.py --grid planner17 --out "$OUT/engine.jsonl" \
