@@ -75,7 +75,7 @@ from omegaconf.errors import OmegaConfBaseException
 from engine.config import CONF_DIR, ConfigError, ModelConfig, TrainConfig
 from engine.device import autocast_ctx, resolve_compute_dtype
 from engine.fileio import atomic_write
-from engine.metrics import model_flops_per_token, run_environment
+from engine.metrics import host_rss_gib, model_flops_per_token, run_environment
 from engine.model import ModelSpec, Unit
 from engine.optim import make_adamw
 
@@ -456,6 +456,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if cuda:
             torch.cuda.empty_cache()
 
+    # what a training process holds on the host before any state: torch, the CUDA context, compiled kernels (the
+    # layer's host-side master copies are freed by now); the planner adds it to every plan's host memory
+    figures["host_process_gib"] = host_rss_gib()
+    log(f"process host memory after the compute measurements: {figures['host_process_gib']:.2f} GiB")
     not_measured: list[str] = []
     adam = HostAdam(args.adam_numel)
     if cuda:

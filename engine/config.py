@@ -153,6 +153,7 @@ class HardwareConfig:
     bidir_gbps: float = 0.0  # both directions at once, total
     cpu_adam_gparams_per_s: float = 0.0  # fused CPU AdamW, alone
     cpu_adam_gparams_per_s_under_pcie: float = 0.0  # the same while both PCIe directions stream
+    host_process_gib: float = 0.0  # host memory of a training process before any state (torch, CUDA, compiled code)
     calibration: str = ""  # where the measured figures come from (written by bench/calibrate.py)
 
 
@@ -503,7 +504,7 @@ def _validate_train(cfg: DictConfig) -> None:
 TFLOPS_FIGURES = tuple(f"{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd", "head"))
 TRANSFER_FIGURES = ("h2d_gbps", "d2h_gbps", "bidir_gbps", "cpu_adam_gparams_per_s", "cpu_adam_gparams_per_s_under_pcie")
 HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
-                    *TFLOPS_FIGURES, *TRANSFER_FIGURES)
+                    "host_process_gib", *TFLOPS_FIGURES, *TRANSFER_FIGURES)
 
 
 def _validate_hardware(cfg: DictConfig) -> None:

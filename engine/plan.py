@@ -24,7 +24,8 @@ never a figure fitted on the run it predicts): layer forward and backward (recom
 H2D/D2H alone and both at once, the host AdamW alone and under PCIe load. The forward is a pipeline of the H2D
 stream, the D2H stream, the host AdamW and compute (see `predict_stream`); `exposed_wait` is the forward's time
 beyond its compute. Activation working-set figures are estimates (bytes per token per layer, from the tensors
-autograd keeps in `decoder_layer`); `margin_gib` covers allocator fragmentation and the CUDA context.
+autograd keeps in `decoder_layer`); `margin_gib` covers allocator fragmentation and the CUDA context on the GPU;
+`hardware.host_process_gib` (calibrated) is the process's own host memory before any state.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ def loss_activation_bytes(spec, tokens: int, compute_bytes: int, fused: bool) ->
 def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: bool = True) -> MemoryPlan:
     plan = _reference(spec, cfg, gpu_gib, host_gib, on_gpu) if cfg.engine.name == "reference" else \
         _stream(spec, cfg, gpu_gib, host_gib, on_gpu)
+    if cfg.hardware.host_process_gib:
+        plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)",
+                 int(cfg.hardware.host_process_gib * GIB))
     if check and plan.problem():
         raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
     return plan

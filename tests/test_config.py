@@ -175,6 +175,7 @@ BAD = {
     "hardware.peak_bf16_tflops": _figures("hardware.peak_bf16_tflops"),
     "hardware.peak_fp32_tflops": _figures("hardware.peak_fp32_tflops"),
     "hardware.host_mem_gib": _figures("hardware.host_mem_gib"),
+    "hardware.host_process_gib": _figures("hardware.host_process_gib"),
     **{f"hardware.{key}": [*_figures(f"hardware.{key}"), f"hardware.{key}=0 hardware=h200 plan=true"]
        for key in TRANSFER_FIGURES},
     **{f"hardware.{key}": [*_figures(f"hardware.{key}"), f"hardware.{key}=0 " + " ".join(

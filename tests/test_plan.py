@@ -79,3 +79,9 @@ def test_without_calibrated_speeds_every_update_stays_on_the_host():
     plan = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=8", *zero])
     assert (plan.placement["gpu_resident_units"], plan.placement["gpu_streamed_units"]) == (0, 0)
     assert not plan.times_s
+
+
+def test_the_calibrated_process_memory_is_planned_on_the_host():
+    base = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2"])
+    with_process = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2", "hardware.host_process_gib=2.5"])
+    assert with_process.total("host") - base.total("host") == int(2.5 * 2**30)
