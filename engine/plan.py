@@ -190,7 +190,8 @@ class Speeds:
         self.mode = mode
         self.fwd, self.bwd, self.head = (hw[f"{k}_tflops_{mode}"] * 1e12 for k in ("fwd", "bwd", "head"))
         self.h2d, self.d2h, self.bidir = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9, hw.bidir_gbps * 1e9
-        self.adam, self.adam_pcie = hw.cpu_adam_gparams_per_s * 1e9, hw.cpu_adam_gparams_per_s_under_pcie * 1e9
+        # the host AdamW always runs while the forward streams, so its rate under PCIe load is the one used
+        self.adam_pcie = hw.cpu_adam_gparams_per_s_under_pcie * 1e9
         self.known = min(self.fwd, self.bwd, self.head) > 0
 
     def describe(self, hw) -> str:
@@ -211,7 +212,7 @@ def fused_loss_on(cfg, on_gpu: bool) -> bool:
 def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, float], str]:
     """(phase times, binding resource) of one streamed step under `placement`.
 
-    Forward: a pipeline of three resources in unit order. The H2D stream brings unit u in (nothing for a GPU-resident
+    Forward: a pipeline of four resources (H2D, D2H, host AdamW, compute) in unit order. The H2D stream brings unit u in (nothing for a GPU-resident
     unit, its fp32 master for a host-updated one, master + m + v for a GPU-streamed one, whose state also goes back
     over D2H; both directions then share the link's bidirectional rate); a load starts once the host AdamW has
     updated the unit, its slot is free (the ring holds `slots` units) and, for a streamed unit, its staging buffer is
