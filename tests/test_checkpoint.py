@@ -60,10 +60,13 @@ def assert_same_state(a: Path, b: Path):
         assert sa[key] == sb[key], key
 
 
-@pytest.mark.parametrize("engine", ["stream", "reference"])
-def test_ten_steps_equal_five_stop_resume_five(engine, tmp_path):
+@pytest.mark.parametrize("engine, placement", [
+    ("stream", []), ("reference", []),
+    # GPU-streamed units: the mid-run checkpoint flushes their pending update, the next load reads the state home
+    ("stream", ["engine.gpu_resident_units=1", "engine.gpu_streamed_units=2"])])
+def test_ten_steps_equal_five_stop_resume_five(engine, placement, tmp_path):
     """train 10 == train 5, stop, resume=auto, train 5: loss curve, final weights and moments bit-identical."""
-    common = [f"engine={engine}", "train.steps=10", "train.checkpoint_every=5"]
+    common = [f"engine={engine}", "train.steps=10", "train.checkpoint_every=5", *placement]
     whole, split = tmp_path / "whole", tmp_path / "split"
     Trainer(make_cfg([*RECIPE, *common]), whole).run()  # uninterrupted, in this process; the split run via the CLI
     first = train_cli(split, *common, "train.stop_at=5")
