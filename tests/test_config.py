@@ -316,3 +316,10 @@ def test_unknown_key_in_a_group_file_is_refused():
 
 def test_conf_dir_is_the_repository_conf_in_a_checkout():
     assert config.CONF_DIR == ROOT / "conf"
+
+
+@pytest.mark.parametrize("override, new", [("engine.device_optimizer_units=3", "engine.gpu_resident_units"),
+                                           ("hardware.achieved_tflops=480", "bench/calibrate.py")])
+def test_keys_renamed_by_performance_ii_point_to_their_successors(override, new):
+    message = refusal([override])
+    assert message.startswith(f"{override.split('=')[0]} was renamed") and new in message
