@@ -73,7 +73,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from engine.config import CONF_DIR, ConfigError, ModelConfig, TrainConfig
-from engine.device import autocast_ctx, resolve_compute_dtype
+from engine.device import autocast_ctx, pin_host, resolve_compute_dtype, unpin_host
 from engine.fileio import atomic_write
 from engine.metrics import host_rss_gib, model_flops_per_token, run_environment
 from engine.model import ModelSpec, Unit
@@ -292,15 +292,12 @@ def pinned(nbytes: int) -> Iterator[torch.Tensor]:
     """A page-locked host buffer: plain memory, touched, then registered with the driver (no power-of-two rounding,
     unlike pin_memory=True); unregistered on exit, once the device has drained."""
     buf = torch.zeros(nbytes, dtype=torch.uint8)
-    err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
-    if err != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes / GIB:.2f} GiB failed with CUDA error {err}; the host may "
-                           "not allow that much locked memory (ulimit -l), try a smaller --copy-gib")
+    pin_host(buf, hint=", try a smaller --copy-gib")
     try:
         yield buf
     finally:
         torch.cuda.synchronize()
-        err = int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
+        err = unpin_host(buf)
         if err != 0:
             raise RuntimeError(f"cudaHostUnregister failed with CUDA error {err}")
 

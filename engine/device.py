@@ -29,6 +29,21 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
+def pin_host(t: torch.Tensor, hint: str = "") -> None:
+    """Page-lock an existing host tensor's memory with cudaHostRegister (no power-of-two rounding, unlike
+    `pin_memory=True`). Raises with the size and CUDA error; `hint` is appended to the message."""
+    nbytes = t.numel() * t.element_size()
+    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed with CUDA error {err}; the host may "
+                           f"not allow that much locked memory (ulimit -l){hint}")
+
+
+def unpin_host(t: torch.Tensor) -> int:
+    """Undo `pin_host`; returns the CUDA error code (0: done). The caller drains the device first."""
+    return int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+
+
 def autocast_ctx(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()

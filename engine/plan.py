@@ -156,6 +156,22 @@ class _Shape:
     def slot_bytes(self, lay) -> int:
         return self.compute_bytes * lay.cast_numel + 4 * (lay.numel - lay.cast_numel)
 
+    def own_slot_bytes(self, n_res: int) -> int:
+        """The slots of their own that the GPU-resident layers take when weights are not cached."""
+        return sum(self.slot_bytes(self.layouts[u]) for u in range(1, min(n_res, self.L + 1)))
+
+    def own_accumulator_bytes(self, n_gpu_updated: int) -> int:
+        """The fp32 accumulators of their own that the GPU-updated layers take when gradients go to the host."""
+        return 4 * sum(self.layouts[u].numel for u in range(1, min(n_gpu_updated, self.L + 1)))
+
+    def staging_bytes(self, n_res: int, n_str: int) -> int:
+        """The GPU staging buffers of the streamed units' state (engine/streaming/streamed_update.py)."""
+        from engine.streaming.streamed_update import N_STAGES
+
+        if not n_str:
+            return 0
+        return min(N_STAGES, n_str) * 12 * max(lay.numel for lay in self.layouts[n_res:n_res + n_str])
+
 
 def _reference(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     t, hw = cfg.train, cfg.hardware
@@ -212,14 +228,14 @@ def fused_loss_on(cfg, on_gpu: bool) -> bool:
 def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, float], str]:
     """(phase times, binding resource) of one streamed step under `placement`.
 
-    Forward: a pipeline of four resources (H2D, D2H, host AdamW, compute) in unit order. The H2D stream brings unit u in (nothing for a GPU-resident
-    unit, its fp32 master for a host-updated one, master + m + v for a GPU-streamed one, whose state also goes back
-    over D2H; both directions then share the link's bidirectional rate); a load starts once the host AdamW has
-    updated the unit, its slot is free (the ring holds `slots` units) and, for a streamed unit, its staging buffer is
-    free (two buffers, freed by the D2H). Compute runs each unit when its weights are in. The host AdamW updates its
-    units in order from the start of the forward, at its rate under PCIe load. Exposed wait: forward time beyond its
-    compute. Backward: per layer the larger of its compute and its transfers. The binding resource has the most
-    busy time."""
+    Forward: a pipeline of four resources (H2D, D2H, host AdamW, compute) in unit order. The H2D stream brings unit
+    u in (nothing for a GPU-resident unit, its fp32 master for a host-updated one, master + m + v for a GPU-streamed
+    one, whose state also goes back over D2H; both directions then share the link's bidirectional rate); a load
+    starts once the host AdamW has updated the unit, its slot is free (the ring holds `slots` units) and, for a
+    streamed unit, its staging buffer is free (two buffers, freed by the D2H). Compute runs each unit when its
+    weights are in. The host AdamW updates its units in order from the start of the forward, at its rate under PCIe
+    load. Exposed wait: forward time beyond its compute. Backward: per layer the larger of its compute and its
+    transfers. The binding resource has the most busy time."""
     n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]
     cached = placement["cache_weights"] == "on"
     grads_host = placement["grads_tier"] == "host"
@@ -285,16 +301,11 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
 def _split_bytes(s: _Shape, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:
     """GPU bytes the update places take beyond the fixed working set: resident state (+ the resident layers' own
     slots and accumulators), streamed staging (+ the streamed layers' accumulators)."""
-    numel = [lay.numel for lay in s.layouts]
-    layers = range(1, s.L + 1)
-    nbytes = sum(12 * numel[u] for u in range(n_res))
-    own_acc = [u for u in layers if u < n_res + n_str]
+    nbytes = sum(12 * lay.numel for lay in s.layouts[:n_res]) + s.staging_bytes(n_res, n_str)
     if not grads_on_gpu:
-        nbytes += sum(4 * numel[u] for u in own_acc)
+        nbytes += s.own_accumulator_bytes(n_res + n_str)
     if not cached:
-        nbytes += sum(s.slot_bytes(s.layouts[u]) for u in layers if u < n_res)
-    if n_str:
-        nbytes += min(2, n_str) * 12 * max(numel[n_res:n_res + n_str])
+        nbytes += s.own_slot_bytes(n_res)
     return nbytes
 
 
@@ -380,13 +391,12 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
             if free < 0 and not force:
                 return None
             if e.cache_weights != "on":
-                resident_slots = sum(s.slot_bytes(layouts[u]) for u in range(1, min(n_res, L + 1)))
-                cache_on = place("cache_weights", cache_bytes - ring_bytes - resident_slots,
+                cache_on = place("cache_weights", cache_bytes - ring_bytes - s.own_slot_bytes(n_res),
                                  {"on": "gpu", "off": "host"}.get(e.cache_weights, "auto"))
                 placement["cache_weights"] = "on" if cache_on else "off"
             if not grads_first:
-                own = 4 * sum(layouts[u].numel for u in range(1, min(n_res + n_str, L + 1)))
-                place("grads_tier", grad_bytes - side_grad_bytes - own, e.grads_tier)
+                place("grads_tier", grad_bytes - side_grad_bytes - s.own_accumulator_bytes(n_res + n_str),
+                      e.grads_tier)
             return dict(placement), free
 
         n_units = len(layouts)
@@ -415,11 +425,10 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
         plan.add(compute_tier, f"fp32 master, Adam m + v: {n_res} leading units resident and updated on the GPU",
                  sum(state_bytes[:n_res]))
     if n_str:
-        plan.add(compute_tier, f"staging for GPU-streamed updates (2 x 12 B x largest of {n_str} units)",
-                 min(2, n_str) * max(state_bytes[n_res:n_res + n_str]))
+        plan.add(compute_tier, f"staging for GPU-streamed updates (12 B x largest of {n_str} units, 2 buffers)",
+                 s.staging_bytes(n_res, n_str))
     plan.add(compute_tier if placement["activation_tier"] == "gpu" else "host",
              "layer-input activations (all micro-batches)", activation_bytes)
-    own_layers = [u for u in range(1, L + 1) if u < n_res + n_str]
     if grads_on_gpu:
         plan.add(compute_tier, "fp32 gradients of every unit until the norm is known", grad_bytes)
         plan.add("host", "pinned gradient staging (2 x largest unit)",
@@ -428,12 +437,12 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
         plan.add("host", "fp32 gradients of host-updated units until the global norm is known",
                  4 * sum(lay.numel for lay in layouts[n_res + n_str:]))
         plan.add(compute_tier, "fp32 accumulators: embedding, head, 2 layers, GPU-updated layers",
-                 side_grad_bytes + 4 * sum(layouts[u].numel for u in own_layers))
+                 side_grad_bytes + s.own_accumulator_bytes(n_res + n_str))
     if cached:
         plan.add(compute_tier, "layer slots: one per layer (weights cached fwd -> bwd)", cache_bytes)
     else:
         plan.add(compute_tier, f"layer slots: ring of {min(e.slots, L)} (+ one per GPU-resident layer)",
-                 ring_bytes + sum(s.slot_bytes(layouts[u]) for u in range(1, min(n_res, L + 1))))
+                 ring_bytes + s.own_slot_bytes(n_res))
     if on_gpu:
         plan.add("gpu", "allocator margin + CUDA context", int(margin_gib * GIB))
     if sp.known:

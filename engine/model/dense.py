@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from engine.kernels.cross_entropy import fused_linear_cross_entropy
 from engine.model.attention import causal_attention
 from engine.model.layout import ParamSpec
 from engine.model.rope import Rope, apply_rope
@@ -139,8 +140,6 @@ def fused_loss_sum(p: Params, x_BTD: torch.Tensor, labels_BT: torch.Tensor, a: D
     """`loss_sum` with the LM head and cross-entropy fused (engine/kernels/cross_entropy.py): each chunk's gradient is
     finished in the forward, so the backward recomputes no logits (3 head matmuls instead of 4). The final norm runs
     in torch over all tokens; its output and the head matrix are cast to the autocast dtype as F.linear would."""
-    from engine.kernels.cross_entropy import fused_linear_cross_entropy
-
     x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
     y_ND = rms_norm(x_ND, p[FINAL_NORM], a.eps)
     lm_w = _lm_weight(p, tied_weight)

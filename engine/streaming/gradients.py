@@ -24,8 +24,8 @@ from typing import Callable, Dict
 import torch
 
 from engine.device import Device
-from engine.streaming.stall_timer import StallTimer
 from engine.kernels.grad_accum import accumulate_layout
+from engine.streaming.stall_timer import StallTimer
 
 
 class GradAccumulator:

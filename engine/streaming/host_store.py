@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from engine.device import pin_host, unpin_host
 from engine.model import ModelSpec
 
 
@@ -84,10 +85,7 @@ class HostStore:
     def _pin(self, t: torch.Tensor) -> None:
         if not self.pin or t.numel() == 0:  # the empty placeholders of GPU-resident units
             return
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed with "
-                               f"CUDA error {int(err)}; the host may not allow that much locked memory (ulimit -l)")
+        pin_host(t)
         self.pinned.append(t)
 
     def close(self) -> None:
@@ -99,7 +97,7 @@ class HostStore:
         torch.cuda.synchronize()
         failed = []
         for t in self.pinned:
-            err = int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+            err = unpin_host(t)
             if err != 0:
                 failed.append(f"{t.numel() * t.element_size() / 2**30:.2f} GiB at {t.data_ptr():#x}: CUDA error {err}")
         self.pinned = []

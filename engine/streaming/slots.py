@@ -38,6 +38,12 @@ class Slot:
     def fits(self, layout: UnitLayout) -> bool:
         return self.cast.numel() >= layout.cast_numel and self.tail.numel() >= layout.numel - layout.cast_numel
 
+    def fill(self, layout: UnitLayout, master: torch.Tensor) -> None:
+        """Copy a unit's fp32 master into this slot in one go (cast segment cast to the slot's dtype), queued on the
+        current stream: for a master on the GPU (the staging path of `WeightLoader.load` is for host masters)."""
+        self.tail[:layout.numel - layout.cast_numel].copy_(master[layout.cast_numel:], non_blocking=True)
+        self.cast[:layout.cast_numel].copy_(master[:layout.cast_numel], non_blocking=True)
+
 
 class WeightLoader:
     """Brings units' fp32 master weights into GPU slots: from pinned host memory on the H2D stream, or, for units
@@ -72,10 +78,10 @@ class WeightLoader:
             self.dev.wait_event(stream, slot.free)
             if after is not None:
                 self.dev.wait_event(stream, after)
-            slot.tail[:tail_n].copy_(master[layout.cast_numel:], non_blocking=True)
             if resident or self.staging is None:
-                slot.cast[:layout.cast_numel].copy_(master[:layout.cast_numel])
+                slot.fill(layout, master)
             else:
+                slot.tail[:tail_n].copy_(master[layout.cast_numel:], non_blocking=True)
                 for start in range(0, layout.cast_numel, self.staging.numel()):
                     n = min(self.staging.numel(), layout.cast_numel - start)
                     chunk = self.staging[:n]

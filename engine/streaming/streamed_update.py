@@ -87,7 +87,7 @@ class StreamedUpdater:
         """Queue unit's update (and, with a slot, the cast of its fresh weights into it); see the module doc."""
         acc = self.pending.pop(unit)
         layout, stage = self.layouts[unit], self.stage_of[unit]
-        n, cast_n = layout.numel, layout.cast_numel
+        n = layout.numel
         parts = [stage.part(i, n) for i in range(3)]
         homes = [self.homes[k][unit] for k in ("master", "m", "v")]
         with self.dev.on(self.h2d), self.timer.busy(self.h2d, "h2d"):
@@ -103,8 +103,7 @@ class StreamedUpdater:
             acc.read_queued(self.h2d)
             if slot is not None:
                 self.dev.wait_event(self.h2d, slot.free)
-                slot.tail[:n - cast_n].copy_(parts[0][cast_n:])
-                slot.cast[:cast_n].copy_(parts[0][:cast_n])
+                slot.fill(layout, parts[0])
                 slot.ready.record(self.h2d)
             updated = self.dev.event()
             updated.record(self.h2d)
