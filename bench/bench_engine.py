@@ -77,10 +77,14 @@ GRIDS = {
         ("qwen7b-reference-16k", ["model=qwen7b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=6",
                                   "train.micro_batch_size=2", "train.grad_accum=2"]),
     ],
-    # issue 17: the planner on configurations the calibration (qwen7b layer, 2 x 4096, bench/calibrate.py) never saw
-    "planner17": [
+    # issue 17: qwen3b at 32K tokens per step, next to the peers measured in the same call (`--peers`)
+    "compare3b": [
         ("qwen3b-stream-32k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                "train.micro_batch_size=8", "train.grad_accum=1"]),
+    ],
+    # issue 17: the planner on configurations the calibration (qwen7b layer, 2 x 4096, bench/calibrate.py) never saw
+    # (with compare3b's row, six)
+    "planner17": [
         ("qwen3b-stream-64k-eager", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
                                      "train.micro_batch_size=4", "train.grad_accum=4", "train.compile=off"]),
         ("qwen7b-stream-16k-eager", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=5",
@@ -162,13 +166,16 @@ def run_job(name: str, overrides: list, workdir: Path, timeout_s: int) -> dict:
         "tokens_per_s": summary.get("median_tokens_per_s"), "step_s": summary.get("median_step_s"),
         "tflops": summary.get("median_tflops"), "mfu": summary.get("median_mfu"),
         "tflops_6n": _median(timed, "tflops_6n"),
-        "gpu_mem_gib": summary.get("peak_gpu_mem_gib"), "host_mem_gib": summary.get("peak_host_mem_gib"),
+        "gpu_mem_gib": summary.get("peak_gpu_mem_gib"), "gpu_reserved_gib": summary.get("peak_gpu_reserved_gib"),
+        "host_mem_gib": summary.get("peak_host_mem_gib"),
         "num_params": summary.get("num_params"), "memory_plan_gib": summary.get("memory_plan_gib"),
         "losses": [s.get("loss") for s in steps], "initial_val_loss": summary.get("initial_val_loss"),
         "final_val_loss": summary.get("final_val_loss"), "placement": cfg.get("plan_placement"),
         "skipped_steps": summary.get("skipped_steps"),
         "plan_step_s": (summary.get("plan_times_s") or {}).get("step"),
-        "plan_gpu_gib": (summary.get("memory_plan_gib") or {}).get("gpu"),
+        # the predicted peak of tensor memory, the figure `gpu_mem_gib` measures (the budget adds the reserve)
+        "plan_gpu_gib": (summary.get("memory_plan_allocated_gib") or {}).get("gpu"),
+        "plan_gpu_budget_gib": (summary.get("memory_plan_gib") or {}).get("gpu"),
         "plan_host_gib": (summary.get("memory_plan_gib") or {}).get("host"),
     })
     for key in sorted({k for s in timed for k in s if k.endswith("_s") and k not in ("step_s",)}):

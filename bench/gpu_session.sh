@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call: carried wheels, then the named stages, each writing JSONL and logs under $OUT.
 #   bash bench/gpu_session.sh tests kernels checkpoint housekeeping perf7b peers attention
-#   bash bench/gpu_session.sh calibrate streamtests peers3b planner17 perf17 kept17   # issue 17 (planner17 reads
-#   peers3b's rows; calibrate rewrites conf/hardware/h200.yaml under $OUT, to be committed by hand)
+#   bash bench/gpu_session.sh calibrate compare3b streamtests planner17 perf17 kept17   # issue 17 (calibrate
+#   writes $OUT/h200.yaml, to be committed by hand, and the later stages of the same call plan with it)
 # Each stage's full log is kept under $OUT (gpu_tests.log; logs.tgz holds every engine job's log).
 # Needs .whl/ carried (hydra/omegaconf/antlr wheels; .whl/peers/ for DeepSpeed) and STREAMTRAIN_GIT_SHA set.
 set -u
@@ -28,19 +28,22 @@ for stage in "$@"; do
     streamtests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
                    tests/test_stream_gpu.py > "$OUT/gpu_stream_tests.log" 2>&1; tail -30 "$OUT/gpu_stream_tests.log" ;;
     calibrate) timeout 200 python3 bench/calibrate.py --out "$OUT/h200.yaml" --jsonl "$OUT/calibrate.jsonl" \
-                 2>&1 | tail -16 ;;
+                 2>&1 | tail -16
+               [ -s "$OUT/h200.yaml" ] && cp "$OUT/h200.yaml" conf/hardware/h200.yaml ;;  # later stages plan with it
     kept17) timeout 560 python3 bench/bench_engine.py --grid kept17 --out "$OUT/engine.jsonl" \
               --workdir /tmp/bench --timeout-s 140 2>&1 | tail -10 ;;
     perf17) timeout 560 python3 bench/bench_engine.py --grid perf17 --out "$OUT/engine.jsonl" \
               --workdir /tmp/bench --timeout-s 170 2>&1 | tail -10 ;;
     planner17) timeout 560 python3 bench/bench_engine.py --grid planner17 --out "$OUT/engine.jsonl" \
-                 --workdir /tmp/bench --timeout-s 120 --peers "$OUT/peers.jsonl" 2>&1 | tail -12 ;;
-    peers3b) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-               .whl/peers/*.whl
-             for peer in all_on_gpu fsdp2_offload deepspeed_zero3; do
-               timeout 200 python3 bench/peers/$peer.py --model qwen3b --micro-batch-size 8 --grad-accum 1 \
-                 --out "$OUT/peers.jsonl" 2>&1 | tail -2
-             done ;;
+                 --workdir /tmp/bench --timeout-s 120 2>&1 | tail -12 ;;
+    compare3b) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+                 .whl/peers/*.whl
+               for peer in all_on_gpu fsdp2_offload deepspeed_zero3; do
+                 timeout 200 python3 bench/peers/$peer.py --model qwen3b --micro-batch-size 8 --grad-accum 1 \
+                   --out "$OUT/peers.jsonl" 2>&1 | tail -2
+               done
+               timeout 200 python3 bench/bench_engine.py --grid compare3b --out "$OUT/engine.jsonl" \
+                 --workdir /tmp/bench --timeout-s 150 --peers "$OUT/peers.jsonl" 2>&1 | tail -6 ;;
     peers) timeout 200 python3 bench/peers/all_on_gpu.py --model qwen7b --micro-batch-size 2 --grad-accum 8 \
              --out "$OUT/peers.jsonl" 2>&1 | tail -3 ;;
   esac

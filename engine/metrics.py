@@ -167,6 +167,11 @@ def gpu_peak_mem_gib() -> float:
     return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0
 
 
+def gpu_peak_reserved_gib() -> float:
+    """Peak of the memory the caching allocator has taken from the device (live tensors plus its cached blocks)."""
+    return torch.cuda.max_memory_reserved() / GIB if torch.cuda.is_available() else 0.0
+
+
 def run_environment() -> dict:
     """Where and when a figure was measured: GPU name, torch / triton / Python versions, CPU count, git revision and
     UTC time. Every benchmark row carries these fields; this is their one source."""
@@ -429,6 +434,7 @@ class MetricsLogger:
             "initial_val_loss": self.val_losses[0] if self.val_losses else None,
             **medians,
             "peak_gpu_mem_gib": max(self.peak_gpu_mem_gib, gpu_peak_mem_gib()),
+            "peak_gpu_reserved_gib": gpu_peak_reserved_gib(),
             "peak_host_mem_gib": host_peak_rss_gib(),
             "steps": last.get("step", 0),
             "logged_steps": len(self.steps),

@@ -54,11 +54,23 @@ class MemoryPlan:
     binding: str = ""
     speeds: str = ""  # where the time model's figures come from
 
+    reserved: Dict[str, int] = field(default_factory=dict)  # bytes per tier held back, not allocated as tensors
+
     def add(self, tier: str, item: str, nbytes: int) -> None:
         self.rows.append((tier, item, int(nbytes)))
 
+    def reserve(self, tier: str, item: str, nbytes: int) -> None:
+        """A row the budget must leave free (allocator fragmentation, the CUDA context) but that no tensor fills:
+        it counts in `total`, not in `allocated`."""
+        self.add(tier, item, nbytes)
+        self.reserved[tier] = self.reserved.get(tier, 0) + int(nbytes)
+
     def total(self, tier: str) -> int:
         return sum(b for t, _, b in self.rows if t == tier)
+
+    def allocated(self, tier: str) -> int:
+        """The predicted peak of tensor memory in `tier` (what `torch.cuda.max_memory_allocated` measures)."""
+        return self.total(tier) - self.reserved.get(tier, 0)
 
     def problem(self) -> str:
         """Why the plan does not fit (every tier that overflows), or "" when it does."""
@@ -139,8 +151,9 @@ class _Shape:
         self.layer_numel = max(lay.numel for lay in self.layouts[1:-1])
         self.layer_cast = max(lay.cast_numel for lay in self.layouts[1:-1])
         fused = fused_loss_on(cfg, on_gpu)
-        self.act = (layer_activation_bytes_per_token(spec, self.compute_bytes) * self.mb_tokens
-                    + loss_activation_bytes(spec, self.mb_tokens, self.compute_bytes, fused))
+        # a layer's working set and the head's are live in different phases of the step: the larger one counts
+        self.act = max(layer_activation_bytes_per_token(spec, self.compute_bytes) * self.mb_tokens,
+                       loss_activation_bytes(spec, self.mb_tokens, self.compute_bytes, fused))
         flops = model_flops_per_token(cfg.model, t.seq_len)
         self.layer_fwd_flops = flops["layer_forward_flops_per_token"] * self.step_tokens
         # the head: forward + backward (2x); the chunked torch chain also recomputes the logits in its backward
@@ -184,7 +197,7 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     plan.add(tier, "fp32 Adam m + v", 8 * n)
     plan.add(tier, "layer-input activations (one micro-batch)",
              (s.L if t.activation_checkpointing else 0) * 4 * s.h * s.mb_tokens)
-    plan.add(tier, "working activations (one layer + loss chunk)", s.act * (1 if t.activation_checkpointing else s.L))
+    plan.add(tier, "working activations (one layer, or the loss chunk)", s.act * (1 if t.activation_checkpointing else s.L))
     sp = Speeds(hw, runs_compiled(cfg, on_gpu))
     if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0
@@ -340,7 +353,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
         ("H2D staging buffer (fp32)", 4 * min(STAGING_ELEMS, max(lay.cast_numel for lay in layouts))),
         ("embedding + head slots", s.slot_bytes(layouts[0]) + s.slot_bytes(layouts[-1])),
         ("residual stream + its gradient, all micro-batches", 2 * 4 * s.h * s.step_tokens),
-        ("working activations (one layer + loss chunk)", s.act),
+        ("working activations (one layer, or the loss chunk)", s.act),
         (f"autograd graphs of the last {n_kept} layers (no recompute)", n_kept * s.kept_graph_bytes),
     ]
     ring_bytes = min(e.slots, L) * (s.compute_bytes * s.layer_cast + 4 * (s.layer_numel - s.layer_cast))
@@ -444,7 +457,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
         plan.add(compute_tier, f"layer slots: ring of {min(e.slots, L)} (+ one per GPU-resident layer)",
                  ring_bytes + s.own_slot_bytes(n_res))
     if on_gpu:
-        plan.add("gpu", "allocator margin + CUDA context", int(margin_gib * GIB))
+        plan.reserve("gpu", "allocator margin + CUDA context (reserved, not allocated)", int(margin_gib * GIB))
     if sp.known:
         plan.times_s, plan.binding = predict_stream(s, sp, placement)
         plan.speeds = sp.describe(hw)

@@ -218,6 +218,8 @@ class Trainer:
         t = self.cfg.train
         summary_extra = {"num_params": self.spec.num_params(), "engine": self.cfg.engine.name,
                          "memory_plan_gib": {tier: self.plan.total(tier) / 2**30 for tier in ("gpu", "host")},
+                         "memory_plan_allocated_gib": {tier: self.plan.allocated(tier) / 2**30
+                                                       for tier in ("gpu", "host")},
                          "plan_times_s": self.plan.times_s,
                          "memory_bytes": self.engine.memory_bytes(), "start_step": self.start_step}
         stopped = None
