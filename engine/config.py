@@ -190,8 +190,9 @@ class EngineConfig:
     gpu_resident_units: int = -1
     gpu_streamed_units: int = -1
     # stream: the last N decoder layers keep their forward's autograd graph for the backward instead of recomputing
-    # it (saves 2 x params x tokens FLOPs per layer, costs that layer's saved activations in GPU memory)
-    keep_activation_layers: int = 0
+    # it (saves 2 x params x tokens FLOPs per layer, costs that layer's saved activations in GPU memory);
+    # -1: as many as the planner finds fastest (spare HBM spent on compute)
+    keep_activation_layers: int = -1
     fused_kernels: bool = True  # stream: Triton gradient accumulation (engine/kernels/grad_accum.py); off: torch ops
 
 
@@ -377,7 +378,7 @@ def validate(cfg: DictConfig) -> None:
     _choice("engine.cache_weights", e.cache_weights, ("auto", "on", "off"))
     _positive("engine.gpu_resident_units", e.gpu_resident_units, -1)
     _positive("engine.gpu_streamed_units", e.gpu_streamed_units, -1)
-    _positive("engine.keep_activation_layers", e.keep_activation_layers, 0)
+    _positive("engine.keep_activation_layers", e.keep_activation_layers, -1)
     if e.keep_activation_layers > cfg.model.num_hidden_layers:
         raise ConfigError(f"engine.keep_activation_layers={e.keep_activation_layers} must be <= "
                           f"model.num_hidden_layers={cfg.model.num_hidden_layers}")

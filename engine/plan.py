@@ -8,15 +8,19 @@ For `engine=stream` each unit is updated in one of three places (DESIGN.md §4),
 RAM (pinned) and are updated on the GPU as the next forward loads them; the rest are updated by the host AdamW. The
 GPU holds the fixed working set: the H2D staging buffer, the embedding and head slots, a ring of `engine.slots`
 layer slots, accumulators for the embedding, the head and two layers, the residual stream (and its gradient) of
-every micro-batch, and one layer's working activations. What is left of the GPU budget is spent in this order:
+every micro-batch, one layer's working activations (or the loss chunk's, the larger: they are live in different
+phases) and the autograd graphs of the last `keep_activation_layers` layers; with -1 every count from 0 up is
+planned as below and the fastest predicted plan over all counts and splits wins. What is left of the GPU budget is
+spent in this order:
 1. layer-input activations kept for the recompute (else pinned host memory, paid for with PCIe traffic);
 2. full gradients waiting for the global norm, if the host could not hold them (or the config says so);
 3. the split of the units among the three places: every split that fits is predicted with the time model and the
-   fastest is taken (among those within 1% of it, the one with the fewest GPU bytes);
+   fastest is taken (among those within 1% of it, the one with the most slack; `choose_split`);
 4. every layer's compute-dtype weights from forward to backward (saves the backward's H2D);
 5. gradients anyway (saves 4 B/param of host RAM).
 Any `engine.*` placement set explicitly overrides `auto` / -1. A plan that does not fit raises PlanError with the
-table.
+table. The GPU figures are tensor memory (`allocated`, what `torch.cuda.max_memory_allocated` measures) plus a
+reserved margin for the allocator's fragmentation and the CUDA context that the budget keeps free.
 
 Time. `predict_stream` models one step from the calibrated figures of the hardware profile (bench/calibrate.py
 measures them on the machine, for compiled and for eager templates: the planner uses the mode the run executes in,
@@ -197,7 +201,8 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     plan.add(tier, "fp32 Adam m + v", 8 * n)
     plan.add(tier, "layer-input activations (one micro-batch)",
              (s.L if t.activation_checkpointing else 0) * 4 * s.h * s.mb_tokens)
-    plan.add(tier, "working activations (one layer, or the loss chunk)", s.act * (1 if t.activation_checkpointing else s.L))
+    plan.add(tier, "working activations (one layer, or the loss chunk)",
+             s.act * (1 if t.activation_checkpointing else s.L))
     sp = Speeds(hw, runs_compiled(cfg, on_gpu))
     if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0
@@ -311,6 +316,54 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     return times, max(busy_by, key=busy_by.get)
 
 
+def _placements(s: _Shape, e, n_kept: int, splits, fixed_split: bool, nbytes: Dict[str, float]):
+    """([(placement, free GPU bytes)] of every split that fits with `n_kept` kept graphs, the forced placement of
+    the first split). HBM left after the fixed working set is spent in the module docstring's order."""
+    free = nbytes["free"]
+    host_free = nbytes["host_free"]
+    placement: Dict[str, object] = {"slots": min(e.slots, s.L), "keep_activation_layers": n_kept}
+
+    def place(key: str, extra_gpu_bytes: float, forced: str) -> bool:
+        nonlocal free
+        on = forced == "gpu" or (forced == "auto" and extra_gpu_bytes <= free)
+        if on:
+            free -= extra_gpu_bytes
+        placement[key] = "gpu" if on else "host"
+        return on
+
+    if not place("activation_tier", nbytes["activation"], e.activation_tier):
+        host_free -= nbytes["activation"]
+    # the host cannot hold them (or the config says gpu): they outrank everything below
+    grads_first = nbytes["grad"] > host_free or e.grads_tier == "gpu"
+    if grads_first:
+        place("grads_tier", nbytes["grad"] - nbytes["side_grad"], e.grads_tier)
+    placement.setdefault("grads_tier", "host")
+    base, free_base = dict(placement), free
+
+    def complete(n_res: int, n_str: int, force: bool = False) -> Optional[Tuple[dict, float]]:
+        """The placement with this split and the rest of HBM spent (weights cached, gradients), or None when the
+        split does not fit (unless `force`: the config fixed it, or nothing fits and the plan will say so)."""
+        nonlocal free
+        placement.clear()
+        placement.update(base, cache_weights="on" if e.cache_weights == "on" else "off",
+                         gpu_resident_units=n_res, gpu_streamed_units=n_str)
+        free = free_base - _split_bytes(s, n_res, n_str, base["grads_tier"] == "gpu",
+                                        placement["cache_weights"] == "on")
+        if free < 0 and not force:
+            return None
+        if e.cache_weights != "on":
+            cache_on = place("cache_weights", nbytes["cache"] - nbytes["ring"] - s.own_slot_bytes(n_res),
+                             {"on": "gpu", "off": "host"}.get(e.cache_weights, "auto"))
+            placement["cache_weights"] = "on" if cache_on else "off"
+        if not grads_first:
+            place("grads_tier", nbytes["grad"] - nbytes["side_grad"] - s.own_accumulator_bytes(n_res + n_str),
+                  e.grads_tier)
+        return dict(placement), free
+
+    found = [c for c in (complete(*split, force=fixed_split) for split in splits) if c is not None]
+    return found, complete(*splits[0], force=True)[0]
+
+
 def _split_bytes(s: _Shape, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:
     """GPU bytes the update places take beyond the fixed working set: resident state (+ the resident layers' own
     slots and accumulators), streamed staging (+ the streamed layers' accumulators)."""
@@ -348,82 +401,59 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
 
     from engine.streaming.slots import STAGING_ELEMS
 
-    n_kept = min(e.keep_activation_layers, L)
-    fixed = [
-        ("H2D staging buffer (fp32)", 4 * min(STAGING_ELEMS, max(lay.cast_numel for lay in layouts))),
-        ("embedding + head slots", s.slot_bytes(layouts[0]) + s.slot_bytes(layouts[-1])),
-        ("residual stream + its gradient, all micro-batches", 2 * 4 * s.h * s.step_tokens),
-        ("working activations (one layer, or the loss chunk)", s.act),
-        (f"autograd graphs of the last {n_kept} layers (no recompute)", n_kept * s.kept_graph_bytes),
-    ]
     ring_bytes = min(e.slots, L) * (s.compute_bytes * s.layer_cast + 4 * (s.layer_numel - s.layer_cast))
     side_grad_bytes = 4 * (layouts[0].numel + layouts[-1].numel + min(2, L) * s.layer_numel)
-    activation_bytes = (L - n_kept) * 4 * s.h * s.step_tokens  # kept layers' inputs live in their graphs
     grad_bytes = 4 * sum(lay.numel for lay in layouts)
     cache_bytes = sum(s.slot_bytes(lay) for lay in layouts[1:-1])
     margin_gib = 2.0 + 0.05 * gpu_gib if on_gpu else 0.0
     state_bytes = [12 * lay.numel for lay in layouts]  # fp32 master + m + v
 
-    placement: Dict[str, object] = {"slots": min(e.slots, L), "keep_activation_layers": n_kept}
+    def fixed_rows(n_kept: int) -> List[Tuple[str, int]]:
+        return [
+            ("H2D staging buffer (fp32)", 4 * min(STAGING_ELEMS, max(lay.cast_numel for lay in layouts))),
+            ("embedding + head slots", s.slot_bytes(layouts[0]) + s.slot_bytes(layouts[-1])),
+            ("residual stream + its gradient, all micro-batches", 2 * 4 * s.h * s.step_tokens),
+            ("working activations (one layer, or the loss chunk)", s.act),
+            (f"autograd graphs of the last {n_kept} layers (no recompute)", n_kept * s.kept_graph_bytes),
+        ]
+
+    def activation_bytes(n_kept: int) -> int:
+        return (L - n_kept) * 4 * s.h * s.step_tokens  # kept layers' inputs live in their graphs
+
     if not on_gpu:  # one memory: explicit choices are honoured so CPU runs exercise every code path
-        placement.update({"activation_tier": "gpu" if e.activation_tier == "gpu" else "host",
-                          "grads_tier": "gpu" if e.grads_tier == "gpu" else "host",
-                          "cache_weights": "on" if e.cache_weights == "on" else "off",
-                          "gpu_resident_units": max(0, e.gpu_resident_units),
-                          "gpu_streamed_units": max(0, e.gpu_streamed_units)})
+        placement: Dict[str, object] = {
+            "slots": min(e.slots, L), "keep_activation_layers": max(0, e.keep_activation_layers),
+            "activation_tier": "gpu" if e.activation_tier == "gpu" else "host",
+            "grads_tier": "gpu" if e.grads_tier == "gpu" else "host",
+            "cache_weights": "on" if e.cache_weights == "on" else "off",
+            "gpu_resident_units": max(0, e.gpu_resident_units),
+            "gpu_streamed_units": max(0, e.gpu_streamed_units)}
     else:
-        free = gpu_gib * GIB - sum(b for _, b in fixed) - ring_bytes - side_grad_bytes - margin_gib * GIB
-        host_free = host_gib * GIB - sum(state_bytes) - 2 * GIB
-
-        def place(key: str, extra_gpu_bytes: int, forced: str) -> bool:
-            nonlocal free
-            on = forced == "gpu" or (forced == "auto" and extra_gpu_bytes <= free)
-            if on:
-                free -= extra_gpu_bytes
-            placement[key] = "gpu" if on else "host"
-            return on
-
-        if not place("activation_tier", activation_bytes, e.activation_tier):
-            host_free -= activation_bytes
-        # the host cannot hold them (or the config says gpu): they outrank everything below
-        grads_first = grad_bytes > host_free or e.grads_tier == "gpu"
-        if grads_first:
-            place("grads_tier", grad_bytes - side_grad_bytes, e.grads_tier)
-        placement.setdefault("grads_tier", "host")
-        base, free_base = dict(placement), free
-
-        def complete(n_res: int, n_str: int, force: bool = False) -> Optional[Tuple[dict, float]]:
-            """The placement with this split and the rest of HBM spent (weights cached, gradients), or None when
-            the split does not fit (unless `force`: the config fixed it, or nothing fits and the plan will say so)."""
-            nonlocal free
-            placement.clear()
-            placement.update(base, cache_weights="on" if e.cache_weights == "on" else "off",
-                             gpu_resident_units=n_res, gpu_streamed_units=n_str)
-            free = free_base - _split_bytes(s, n_res, n_str, base["grads_tier"] == "gpu",
-                                            placement["cache_weights"] == "on")
-            if free < 0 and not force:
-                return None
-            if e.cache_weights != "on":
-                cache_on = place("cache_weights", cache_bytes - ring_bytes - s.own_slot_bytes(n_res),
-                                 {"on": "gpu", "off": "host"}.get(e.cache_weights, "auto"))
-                placement["cache_weights"] = "on" if cache_on else "off"
-            if not grads_first:
-                place("grads_tier", grad_bytes - side_grad_bytes - s.own_accumulator_bytes(n_res + n_str),
-                      e.grads_tier)
-            return dict(placement), free
-
         n_units = len(layouts)
         splits = [(r, t) for r in ([min(e.gpu_resident_units, n_units)] if e.gpu_resident_units >= 0
                                    else range(n_units + 1))
                   for t in ([min(e.gpu_streamed_units, n_units - r)] if e.gpu_streamed_units >= 0
                             else range(n_units - r + 1))]
+        kept_choices = [e.keep_activation_layers] if e.keep_activation_layers >= 0 else range(L + 1)
         if not sp.known:  # no speeds to choose by: what the config fixes, else every update on the host
             splits = [(max(0, e.gpu_resident_units), max(0, e.gpu_streamed_units))]
+            kept_choices = [max(0, e.keep_activation_layers)]
         fixed_split = e.gpu_resident_units >= 0 and e.gpu_streamed_units >= 0
-        chosen = choose_split(s, sp, [c for c in (complete(*split, force=fixed_split) for split in splits)
-                                      if c is not None])
-        placement.clear()
-        placement.update(chosen[0] if chosen else complete(*splits[0], force=True)[0])
+        candidates, fallback = [], None
+        for n_kept in kept_choices:
+            found = _placements(s, e, n_kept, splits, fixed_split, {
+                "free": gpu_gib * GIB - sum(b for _, b in fixed_rows(n_kept)) - ring_bytes - side_grad_bytes
+                - margin_gib * GIB,
+                "host_free": host_gib * GIB - sum(state_bytes) - 2 * GIB, "activation": activation_bytes(n_kept),
+                "grad": grad_bytes, "side_grad": side_grad_bytes, "cache": cache_bytes, "ring": ring_bytes})
+            if fallback is None:
+                fallback = found[1]
+            candidates += found[0]
+            if not found[0] and e.keep_activation_layers < 0:
+                break  # more kept graphs fit no better
+        chosen = choose_split(s, sp, candidates)
+        placement = dict(chosen[0] if chosen else fallback)
+    n_kept = placement["keep_activation_layers"]
     plan.placement = placement
 
     n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]
@@ -432,7 +462,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     cached = placement["cache_weights"] == "on"
     plan.add("host", f"fp32 master, Adam m + v: {n_str} GPU-streamed + {n_host} host-updated units",
              sum(state_bytes[n_res:]))
-    for item, nbytes in fixed:
+    for item, nbytes in fixed_rows(n_kept):
         plan.add(compute_tier, item, nbytes)
     if n_res:
         plan.add(compute_tier, f"fp32 master, Adam m + v: {n_res} leading units resident and updated on the GPU",
@@ -441,7 +471,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
         plan.add(compute_tier, f"staging for GPU-streamed updates (12 B x largest of {n_str} units, 2 buffers)",
                  s.staging_bytes(n_res, n_str))
     plan.add(compute_tier if placement["activation_tier"] == "gpu" else "host",
-             "layer-input activations (all micro-batches)", activation_bytes)
+             "layer-input activations (all micro-batches)", activation_bytes(n_kept))
     if grads_on_gpu:
         plan.add(compute_tier, "fp32 gradients of every unit until the norm is known", grad_bytes)
         plan.add("host", "pinned gradient staging (2 x largest unit)",

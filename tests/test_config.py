@@ -201,7 +201,7 @@ BAD = {
     "engine.cache_weights": ["engine.cache_weights=maybe"],
     "engine.gpu_resident_units": ["engine.gpu_resident_units=-2"],
     "engine.gpu_streamed_units": ["engine.gpu_streamed_units=-2"],
-    "engine.keep_activation_layers": ["engine.keep_activation_layers=-1", "engine.keep_activation_layers=99"],
+    "engine.keep_activation_layers": ["engine.keep_activation_layers=-2", "engine.keep_activation_layers=99"],
     "engine.fused_kernels": ["engine.fused_kernels=maybe"],
     "seed": ["seed=-1", "seed=abc", f"seed={2**63}"],
     "plan": ["plan=maybe"],

@@ -85,3 +85,25 @@ def test_the_calibrated_process_memory_is_planned_on_the_host():
     base = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2"])
     with_process = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2", "hardware.host_process_gib=2.5"])
     assert with_process.total("host") - base.total("host") == int(2.5 * 2**30)
+
+
+def test_spare_hbm_keeps_graphs_where_that_is_fastest_and_a_fixed_count_is_kept():
+    """qwen3b at 32K tokens/step leaves HBM beyond the whole state: the planner keeps the last layers' graphs (no
+    recompute), as many as fit, and predicts a shorter backward than with none; an explicit count is honoured."""
+    def qwen3b(overrides):
+        cfg = make_cfg(["model=qwen3b", "engine=stream", "hardware=h200", "train=throughput", "train.seq_len=4096",
+                        "train.micro_batch_size=8", "train.grad_accum=1", "plan=true", *overrides])
+        return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False)
+
+    auto, none = qwen3b([]), qwen3b(["engine.keep_activation_layers=0"])
+    assert auto.placement["keep_activation_layers"] > 0 and none.placement["keep_activation_layers"] == 0
+    assert auto.times_s["backward"] < none.times_s["backward"] and auto.times_s["step"] < none.times_s["step"]
+    assert not auto.problem() and auto.total("gpu") <= 139.0 * 2**30
+    assert qwen3b(["engine.keep_activation_layers=3"]).placement["keep_activation_layers"] == 3
+
+
+def test_the_margin_is_reserved_not_allocated():
+    plan = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2"])
+    assert 0 < plan.allocated("gpu") < plan.total("gpu")
+    assert plan.total("gpu") - plan.allocated("gpu") == int((2.0 + 0.05 * 139.0) * 2**30)
+    assert plan.allocated("host") == plan.total("host")
