@@ -106,15 +106,23 @@ class MemoryPlan:
 
 
 def layer_activation_bytes_per_token(spec, compute_bytes: int) -> int:
-    """Bytes autograd keeps per token while one decoder layer runs backward (recomputed forward)."""
+    """Bytes per token one decoder layer's autograd graph keeps (the tensors listed by saved-tensor hooks around
+    `decoder_layer` under autocast): the two RMSNorm reciprocals and normed inputs, roped q and k, v, the attention
+    output and its log-sum-exp, the residual after attention (fp32), gate, up and their product. The layer input
+    itself is counted with the layer-input activations."""
     a = spec.arch
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
     fp32 = 4
-    kept = (fp32 * a.hidden * 3  # residual in, norm outputs (fp32)
-            + compute_bytes * (q + 2 * kv) + fp32 * (q + kv)  # projections, roped q/k
-            + compute_bytes * (q + a.hidden)  # attention output, o_proj output
-            + compute_bytes * a.intermediate * 4)  # gate, up, silu(gate), product
-    return int(kept * 1.5)  # gradients of the same tensors exist transiently during backward
+    return (fp32 * 2 + compute_bytes * a.hidden * 2  # norm reciprocals, normed inputs of attention and MLP
+            + compute_bytes * (q + 2 * kv)  # roped q, k and v
+            + compute_bytes * q + fp32 * a.heads  # attention output, log-sum-exp
+            + fp32 * a.hidden  # residual after attention
+            + compute_bytes * a.intermediate * 3)  # gate, up, silu(gate) * up
+
+
+def layer_working_bytes_per_token(spec, compute_bytes: int) -> int:
+    """A recomputed layer's working set: its graph plus the gradients of the same tensors, live transiently."""
+    return int(layer_activation_bytes_per_token(spec, compute_bytes) * 1.5)
 
 
 def loss_activation_bytes(spec, tokens: int, compute_bytes: int, fused: bool) -> int:
@@ -156,7 +164,7 @@ class _Shape:
         self.layer_cast = max(lay.cast_numel for lay in self.layouts[1:-1])
         fused = fused_loss_on(cfg, on_gpu)
         # a layer's working set and the head's are live in different phases of the step: the larger one counts
-        self.act = max(layer_activation_bytes_per_token(spec, self.compute_bytes) * self.mb_tokens,
+        self.act = max(layer_working_bytes_per_token(spec, self.compute_bytes) * self.mb_tokens,
                        loss_activation_bytes(spec, self.mb_tokens, self.compute_bytes, fused))
         flops = model_flops_per_token(cfg.model, t.seq_len)
         self.layer_fwd_flops = flops["layer_forward_flops_per_token"] * self.step_tokens
@@ -167,8 +175,8 @@ class _Shape:
     def kept_graph_bytes(self) -> int:
         """What one layer's kept autograd graph holds for all micro-batches (the tensors the recompute would
         rebuild), plus the layer's own slot."""
-        per_token = layer_activation_bytes_per_token(self.spec, self.compute_bytes) / 1.5
-        return int(per_token * self.step_tokens) + self.slot_bytes(self.layouts[1])
+        per_token = layer_activation_bytes_per_token(self.spec, self.compute_bytes)
+        return per_token * self.step_tokens + self.slot_bytes(self.layouts[1])
 
     def slot_bytes(self, lay) -> int:
         return self.compute_bytes * lay.cast_numel + 4 * (lay.numel - lay.cast_numel)
