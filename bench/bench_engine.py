@@ -83,8 +83,10 @@ GRIDS = {
                                "train.micro_batch_size=8", "train.grad_accum=1"]),
     ],
     # issue 17: the planner on configurations the calibration (qwen7b layer, 2 x 4096, bench/calibrate.py) never saw
-    # (with compare3b's row, six)
+    # (with compare3b's row, seven); qwen3b-stream-32k again with the planner's kept graphs
     "planner17": [
+        ("qwen3b-stream-32k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
+                               "train.micro_batch_size=8", "train.grad_accum=1"]),
         ("qwen3b-stream-64k-eager", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
                                      "train.micro_batch_size=4", "train.grad_accum=4", "train.compile=off"]),
         ("qwen7b-stream-16k-eager", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=5",
