@@ -82,7 +82,7 @@ def test_without_calibrated_speeds_every_update_stays_on_the_host():
 
 
 def test_the_calibrated_process_memory_is_planned_on_the_host():
-    base = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2"])
+    base = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2", "hardware.host_process_gib=0"])
     with_process = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2", "hardware.host_process_gib=2.5"])
     assert with_process.total("host") - base.total("host") == int(2.5 * 2**30)
 
