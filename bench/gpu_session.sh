@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call: carried wheels, then the named stages, each writing JSONL and logs under $OUT.
 #   bash bench/gpu_session.sh tests kernels checkpoint housekeeping perf7b peers attention
+#   bash bench/gpu_session.sh adamw   # issue 18: the fused update kernel's GPU tests and bandwidth
 #   bash bench/gpu_session.sh calibrate compare3b streamtests planner17 perf17 kept17   # issue 17 (calibrate
 #   writes $OUT/h200.yaml, to be committed by hand, and the later stages of the same call plan with it)
 # Each stage's full log is kept under $OUT (gpu_tests.log; logs.tgz holds every engine job's log).
@@ -15,6 +16,9 @@ for stage in "$@"; do
   case $stage in
     tests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 420 python3 -m pytest -v -s -m gpu -p no:cacheprovider tests \
              > "$OUT/gpu_tests.log" 2>&1; tail -30 "$OUT/gpu_tests.log" ;;
+    adamw) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 200 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+             tests/kernels/test_adamw_update.py > "$OUT/gpu_adamw_tests.log" 2>&1; tail -12 "$OUT/gpu_adamw_tests.log"
+           timeout 240 python3 bench/bench_adamw_update.py --sweep --out "$OUT/adamw_update.jsonl" 2>&1 | tail -40 ;;
     kernels) timeout 150 python3 bench/bench_pack.py --out "$OUT/pack.jsonl" 2>&1 | tail -12
              timeout 150 python3 bench/bench_grad_accum.py --out "$OUT/grad_accum.jsonl" 2>&1 | tail -12 ;;
     checkpoint) timeout 300 python3 bench/bench_checkpoint.py --model qwen7b --workdir /tmp/ckpt \

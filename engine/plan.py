@@ -76,6 +76,10 @@ class MemoryPlan:
         """The predicted peak of tensor memory in `tier` (what `torch.cuda.max_memory_allocated` measures)."""
         return self.total(tier) - self.reserved.get(tier, 0)
 
+    def overflow_bytes(self) -> int:
+        """Bytes beyond the limits, summed over the tiers."""
+        return sum(max(0, self.total(tier) - int(limit * GIB)) for tier, limit in self.limits_gib.items() if limit)
+
     def problem(self) -> str:
         """Why the plan does not fit (every tier that overflows), or "" when it does."""
         over = [f"{self.total(tier) / GIB:.1f} GiB of {tier} memory where the hardware config allows {limit:.1f} GiB"
@@ -141,9 +145,6 @@ def loss_activation_bytes(spec, tokens: int, compute_bytes: int, fused: bool) ->
 def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: bool = True) -> MemoryPlan:
     plan = _reference(spec, cfg, gpu_gib, host_gib, on_gpu) if cfg.engine.name == "reference" else \
         _stream(spec, cfg, gpu_gib, host_gib, on_gpu)
-    if cfg.hardware.host_process_gib:
-        plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)",
-                 int(cfg.hardware.host_process_gib * GIB))
     if check and plan.problem():
         raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
     return plan
@@ -211,6 +212,9 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
              (s.L if t.activation_checkpointing else 0) * 4 * s.h * s.mb_tokens)
     plan.add(tier, "working activations (one layer, or the loss chunk)",
              s.act * (1 if t.activation_checkpointing else s.L))
+    if hw.host_process_gib:
+        plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)",
+                 int(hw.host_process_gib * GIB))
     sp = Speeds(hw, runs_compiled(cfg, on_gpu))
     if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0
@@ -405,7 +409,6 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
     sp = Speeds(hw, runs_compiled(cfg, on_gpu))
     layouts, L = s.layouts, s.L
     compute_tier = "gpu" if on_gpu else "host"
-    plan = MemoryPlan(engine="stream", limits_gib={"gpu": gpu_gib if on_gpu else 0.0, "host": host_gib})
 
     from engine.streaming.slots import STAGING_ELEMS
 
@@ -427,6 +430,48 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
 
     def activation_bytes(n_kept: int) -> int:
         return (L - n_kept) * 4 * s.h * s.step_tokens  # kept layers' inputs live in their graphs
+
+    def rows_for(placement: Dict[str, object]) -> MemoryPlan:
+        """The memory plan of one placement: every row, both tiers."""
+        plan = MemoryPlan(engine="stream", limits_gib={"gpu": gpu_gib if on_gpu else 0.0, "host": host_gib})
+        plan.placement = placement
+        n_kept = placement["keep_activation_layers"]
+        n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]
+        n_host = len(layouts) - n_res - n_str
+        grads_on_gpu = placement["grads_tier"] == "gpu"
+        cached = placement["cache_weights"] == "on"
+        plan.add("host", f"fp32 master, Adam m + v: {n_str} GPU-streamed + {n_host} host-updated units",
+                 sum(state_bytes[n_res:]))
+        for item, nbytes in fixed_rows(n_kept):
+            plan.add(compute_tier, item, nbytes)
+        if n_res:
+            plan.add(compute_tier, f"fp32 master, Adam m + v: {n_res} leading units resident and updated on the GPU",
+                     sum(state_bytes[:n_res]))
+        if n_str:
+            plan.add(compute_tier, f"staging for GPU-streamed updates (12 B x largest of {n_str} units, 2 buffers)",
+                     s.staging_bytes(n_res, n_str))
+        plan.add(compute_tier if placement["activation_tier"] == "gpu" else "host",
+                 "layer-input activations (all micro-batches)", activation_bytes(n_kept))
+        if grads_on_gpu:
+            plan.add(compute_tier, "fp32 gradients of every unit until the norm is known", grad_bytes)
+            plan.add("host", "pinned gradient staging (2 x largest unit)",
+                     2 * 4 * max((lay.numel for lay in layouts[n_res:]), default=0))
+        else:
+            plan.add("host", "fp32 gradients of host-updated units until the global norm is known",
+                     4 * sum(lay.numel for lay in layouts[n_res + n_str:]))
+            plan.add(compute_tier, "fp32 accumulators: embedding, head, 2 layers, GPU-updated layers",
+                     side_grad_bytes + s.own_accumulator_bytes(n_res + n_str))
+        if cached:
+            plan.add(compute_tier, "layer slots: one per layer (weights cached fwd -> bwd)", cache_bytes)
+        else:
+            plan.add(compute_tier, f"layer slots: ring of {min(e.slots, L)} (+ one per GPU-resident layer)",
+                     ring_bytes + s.own_slot_bytes(n_res))
+        if on_gpu:
+            plan.reserve("gpu", "allocator margin + CUDA context (reserved, not allocated)", int(margin_gib * GIB))
+        if hw.host_process_gib:
+            plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)",
+                     int(hw.host_process_gib * GIB))
+        return plan
 
     if not on_gpu:  # one memory: explicit choices are honoured so CPU runs exercise every code path
         placement: Dict[str, object] = {
@@ -459,43 +504,12 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
             candidates += found[0]
             if not found[0] and e.keep_activation_layers < 0:
                 break  # more kept graphs fit no better
-        chosen = choose_split(s, sp, candidates)
+        fitting = [c for c in candidates if not rows_for(c[0]).problem()]
+        chosen = choose_split(s, sp, fitting)
+        if chosen is None and candidates:  # nothing fits both tiers: the closest plan, for the refusal to show
+            chosen = min(candidates, key=lambda c: rows_for(c[0]).overflow_bytes())
         placement = dict(chosen[0] if chosen else fallback)
-    n_kept = placement["keep_activation_layers"]
-    plan.placement = placement
-
-    n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]
-    n_host = len(layouts) - n_res - n_str
-    grads_on_gpu = placement["grads_tier"] == "gpu"
-    cached = placement["cache_weights"] == "on"
-    plan.add("host", f"fp32 master, Adam m + v: {n_str} GPU-streamed + {n_host} host-updated units",
-             sum(state_bytes[n_res:]))
-    for item, nbytes in fixed_rows(n_kept):
-        plan.add(compute_tier, item, nbytes)
-    if n_res:
-        plan.add(compute_tier, f"fp32 master, Adam m + v: {n_res} leading units resident and updated on the GPU",
-                 sum(state_bytes[:n_res]))
-    if n_str:
-        plan.add(compute_tier, f"staging for GPU-streamed updates (12 B x largest of {n_str} units, 2 buffers)",
-                 s.staging_bytes(n_res, n_str))
-    plan.add(compute_tier if placement["activation_tier"] == "gpu" else "host",
-             "layer-input activations (all micro-batches)", activation_bytes(n_kept))
-    if grads_on_gpu:
-        plan.add(compute_tier, "fp32 gradients of every unit until the norm is known", grad_bytes)
-        plan.add("host", "pinned gradient staging (2 x largest unit)",
-                 2 * 4 * max((lay.numel for lay in layouts[n_res:]), default=0))
-    else:
-        plan.add("host", "fp32 gradients of host-updated units until the global norm is known",
-                 4 * sum(lay.numel for lay in layouts[n_res + n_str:]))
-        plan.add(compute_tier, "fp32 accumulators: embedding, head, 2 layers, GPU-updated layers",
-                 side_grad_bytes + s.own_accumulator_bytes(n_res + n_str))
-    if cached:
-        plan.add(compute_tier, "layer slots: one per layer (weights cached fwd -> bwd)", cache_bytes)
-    else:
-        plan.add(compute_tier, f"layer slots: ring of {min(e.slots, L)} (+ one per GPU-resident layer)",
-                 ring_bytes + s.own_slot_bytes(n_res))
-    if on_gpu:
-        plan.reserve("gpu", "allocator margin + CUDA context (reserved, not allocated)", int(margin_gib * GIB))
+    plan = rows_for(placement)
     if sp.known:
         plan.times_s, plan.binding = predict_stream(s, sp, placement)
         plan.speeds = sp.describe(hw)

@@ -7,6 +7,7 @@ interpreter. Keep them plain, obviously correct torch code (speed is secondary),
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -237,3 +238,183 @@ def linear_cross_entropy_reference(h_ND: torch.Tensor, weight_VD: torch.Tensor, 
         total = total + torch.nn.functional.cross_entropy(z.float(), labels_N[start:start + chunk],
                                                           ignore_index=ignore_index, reduction="sum")
     return total * scale
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# engine/kernels/adamw_update.py
+# Every operation below is one correctly rounded fp32 operation, as in the kernel: torch's CPU `sqrt` is not
+# correctly rounded (a fast approximation), so the reference takes the square root through fp64 and fixes the
+# rounding; fp32 FMAs go through fp64 with round-to-odd, which makes the final rounding to fp32 exact.
+# ---------------------------------------------------------------------------------------------------------------
+
+# 8-bit moment codes (E exponent bits, M mantissa bits), see engine/kernels/adamw_update.py
+M_CODE = (4, 3)  # m: sign + e4m3 magnitude
+V_CODE = (5, 3)  # v: unsigned e5m3
+_GOLDEN64 = 0x9E3779B97F4A7C15
+_M64 = 2**64 - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GOLDEN64) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def adamw_stream_seeds(seed: int):
+    """Philox keys of the three stochastic-rounding streams (master, m, v) of one update: splitmix64 of the seed
+    and the stream number, so the streams are decorrelated from each other and from `to_bf16_stochastic(seed)`."""
+    seed = int(seed) & _M64
+    return tuple(_splitmix64(_splitmix64(seed) ^ stream) for stream in (1, 2, 3))
+
+
+def fma_fp32_reference(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c rounded once. a * b is exact in fp64; the fp64 sum is made round-to-odd (an inexact sum gets
+    its last bit set, after stepping toward zero if it was rounded away), so rounding it to fp32 is exact."""
+    a, b, c = (torch.as_tensor(t, dtype=torch.float32).double() for t in (a, b, c))
+    prod = a * b
+    s = prod + c
+    s_bb = s - prod
+    err = (prod - (s - s_bb)) + (c - s_bb)  # TwoSum: s + err == prod + c exactly
+    s_bits = s.view(torch.int64)
+    inexact = err != 0
+    s_bits = torch.where(inexact & ((err < 0) != (s < 0)), s_bits - 1, s_bits)
+    s_bits = torch.where(inexact, s_bits | 1, s_bits)
+    return s_bits.view(torch.float64).float()
+
+
+def sqrt_fp32_reference(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root (IEEE sqrt, what the kernel's `sqrt_rn` computes)."""
+    s = x.double().sqrt().float()
+    s_bits = s.view(torch.int32)
+    up, down = (s_bits + 1).view(torch.float32), (s_bits - 1).view(torch.float32)
+    hi = (s.double() + up.double()) / 2  # midpoints to the neighbours; their squares are exact in fp64
+    lo = (s.double() + down.double()) / 2
+    xd = x.double()
+    finite = torch.isfinite(s) & (s > 0)
+    s = torch.where(finite & (xd > hi * hi), up, s)
+    return torch.where(finite & (xd < lo * lo), down, s)
+
+
+def round_bf16_nearest_reference(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 round to nearest even by the bits (torch's rule, NaN -> 0x7FC0)."""
+    b = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    hi = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+    hi = torch.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, hi)
+    return torch.where(hi >= 0x8000, hi - 0x10000, hi).to(torch.int16).view(torch.bfloat16)
+
+
+def code_decode_reference(code: torch.Tensor, e_bits: int, m_bits: int) -> torch.Tensor:
+    """Value of unsigned mini-float codes (int64 in [0, 2**(e_bits + m_bits))): exponent field e, mantissa f;
+    e >= 1: 2**(e - emax) * (1 + f / 2**m_bits), e == 0: f * 2**(1 - emax - m_bits), emax = 2**e_bits - 1; the
+    largest code is 2 - 2**-m_bits."""
+    emax = 2**e_bits - 1
+    normal = ((code << (23 - m_bits)) + ((127 - emax) << 23)).to(torch.int32).view(torch.float32)
+    sub = code.to(torch.float32) * 2.0 ** (1 - emax - m_bits)
+    return torch.where(code < (1 << m_bits), sub, normal)
+
+
+def code_encode_reference(x: torch.Tensor, e_bits: int, m_bits: int) -> torch.Tensor:
+    """Nearest code (ties away from zero) of fp32 x >= 0 in the code of `code_decode_reference`, saturating at the
+    largest code (NaN saturates too). int64."""
+    emax = 2**e_bits - 1
+    b = x.view(torch.int32).to(torch.int64)
+    normal = ((b + (1 << (22 - m_bits))) >> (23 - m_bits)) - ((127 - emax) << m_bits)
+    sub = torch.floor(x.clamp(max=2.0 ** (1 - emax)) * 2.0 ** (emax - 1 + m_bits) + 0.5).to(torch.int64)
+    code = torch.where(x < 2.0 ** (1 - emax), sub, normal)
+    return code.clamp(max=2**(e_bits + m_bits) - 1)
+
+
+def _quantize_blocks(val: torch.Tensor, block_size: int, signed: bool):
+    """(codes as int8 / uint8, fp32 per-block scales) of fp32 `val`, blockwise: scale = absmax / top code value."""
+    e_bits, m_bits = M_CODE if signed else V_CODE
+    top = 2.0 - 2.0 ** -m_bits
+    n = val.numel()
+    n_blocks = -(-n // block_size)
+    padded = torch.zeros(n_blocks * block_size, dtype=torch.float32, device=val.device)
+    padded[:n] = val
+    blocks = padded.view(n_blocks, block_size)
+    scale = blocks.abs().amax(dim=1) / top  # amax propagates NaN, like the kernel
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    x = blocks.abs() / safe[:, None]
+    code = code_encode_reference(x, e_bits, m_bits)
+    if signed:
+        code = torch.where((blocks < 0) & (code > 0), code + 128, code)
+        code = torch.where(code >= 128, code - 256, code).to(torch.int8)
+    else:
+        code = torch.where((code == 0) & (blocks > 0), 1, code).to(torch.uint8)
+    return code.reshape(-1)[:n], scale
+
+
+def _dequantize_blocks(code: torch.Tensor, scale: torch.Tensor, block_size: int, signed: bool) -> torch.Tensor:
+    e_bits, m_bits = M_CODE if signed else V_CODE
+    c = code.to(torch.int64) & 0xFF
+    mag = code_decode_reference(c & 0x7F if signed else c, e_bits, m_bits)
+    block_scale = scale.repeat_interleave(block_size)[:code.numel()]
+    val = mag * block_scale
+    return torch.where(c >= 128, -val, val) if signed else val
+
+
+def adamw_update_reference(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, *, lr,
+                           clip, step: int, beta1: float, beta2: float, eps: float, segments,
+                           weights_out: Optional[torch.Tensor] = None, m_scales: Optional[torch.Tensor] = None,
+                           v_scales: Optional[torch.Tensor] = None, block_size: Optional[int] = None,
+                           seed: int = 0, offset: int = 0) -> None:
+    """`adamw_update` in torch ops, in place, with the kernel's bits (arguments as there, already validated).
+
+    In fp32: g = grad * clip; p = p * fp32(1 - lr * wd) (wd of the element's segment, the product in fp64);
+    m = fma(w, g - m, m) with w = fp32(1 - beta1) (torch's lerp; fma(w - 1, g - m, g) when w >= 0.5);
+    v = fma((1 - beta2) * g, g, v * beta2); p = p + (fp32(-lr / bc1) * m) / (sqrt(v) / fp32(sqrt(bc2)) + eps):
+    the operation order of torch's fused CPU AdamW. bf16 state is upcast, updated, and stochastically rounded
+    with the Philox streams of `adamw_stream_seeds(seed)` at logical index offset + i; int8 moments are decoded
+    with their block scales and re-encoded with new ones (see `_quantize_blocks`); `weights_out` gets the new
+    master rounded to nearest bf16."""
+    f32 = lambda x: torch.tensor(float(x), dtype=torch.float64).float()  # noqa: E731  (double -> fp32, nearest)
+    n = master.numel()
+    device = master.device
+    lr64 = lr.detach().double().reshape(())
+    bc1 = 1 - beta1 ** float(step)
+    bc2 = 1 - beta2 ** float(step)
+    decay = torch.empty(n, dtype=torch.float32, device=device)
+    for start, count, wd in segments:
+        decay[start:start + count] = (1 - lr64 * float(wd)).float()
+    step_size = (-(lr64 / bc1)).float()
+
+    g = grad.float() * clip.detach().float().reshape(())
+    p = master.float()
+    if m.dtype == torch.int8:
+        m_val = _dequantize_blocks(m, m_scales, block_size, signed=True)
+        v_val = _dequantize_blocks(v, v_scales, block_size, signed=False)
+    else:
+        m_val, v_val = m.float(), v.float()
+    p = p * decay
+    w = f32(1 - beta1)
+    diff = g - m_val
+    if w.abs() < 0.5:
+        m_val = fma_fp32_reference(w.expand(n), diff, m_val)
+    else:
+        m_val = fma_fp32_reference((w - 1).expand(n), diff, g)
+    v_val = fma_fp32_reference(f32(1 - beta2) * g, g, v_val * f32(beta2))
+    denom = sqrt_fp32_reference(v_val) / f32(math.sqrt(bc2)) + f32(eps)
+    p = p + (step_size * m_val) / denom
+
+    seed_p, seed_m, seed_v = adamw_stream_seeds(seed)
+    if master.dtype == torch.bfloat16:
+        master.copy_(stochastic_round_reference(p, seed_p, offset))
+    else:
+        master.copy_(p)
+    if m.dtype == torch.int8:
+        m_code, m_scale = _quantize_blocks(m_val, block_size, signed=True)
+        v_code, v_scale = _quantize_blocks(v_val, block_size, signed=False)
+        m.copy_(m_code)
+        v.copy_(v_code)
+        m_scales.copy_(m_scale)
+        v_scales.copy_(v_scale)
+    elif m.dtype == torch.bfloat16:
+        m.copy_(stochastic_round_reference(m_val, seed_m, offset))
+        v.copy_(stochastic_round_reference(v_val, seed_v, offset))
+    else:
+        m.copy_(m_val)
+        v.copy_(v_val)
+    if weights_out is not None:
+        weights_out.copy_(master if master.dtype == torch.bfloat16 else round_bf16_nearest_reference(p))

@@ -1,0 +1,460 @@
+"""One fused AdamW step over a unit's flat state, in any of the state formats of issue 18.
+
+`adamw_update(master, m, v, grad, lr=, clip=, step=, ...)` reads the master weights, both moments (dequantizing),
+the gradient, the clip scale and the learning rate (0-d device tensors: no host round trip), applies AdamW in fp32,
+writes master and moments back (rounding or quantizing) and, optionally, the bf16 compute weights for the next
+forward, in one pass.
+
+Arithmetic: exactly torch's fused CPU AdamW (`FusedAdamKernel.cpp`, vectorised path), each step one correctly
+rounded fp32 operation: g = grad * clip; p = p * fp32(1 - lr * wd) (fp64 product, as torch's double);
+m = fma(w, g - m, m), w = fp32(1 - beta1) (torch's `lerp_`; fma(w - 1, g - m, g) when w >= 0.5);
+v = fma(fp32(1 - beta2) * g, g, v * beta2) (the contraction torch's compiler makes);
+p = p + (fp32(-lr / bc1) * m) / (sqrt(v) / fp32(sqrt(bc2)) + eps), with lr / bc1 in fp64. The kernel uses
+`div_rn`, `sqrt_rn` and explicit `fma`, and launches with `enable_fp_fusion=False`, so the GPU contracts nothing
+else and GPU, interpreter and the torch reference give the same bits. torch's CUDA fused AdamW orders the
+operations differently (`p -= lr * wd * p`, `m = beta1 * m + (1 - beta1) * g`), so it agrees to rounding only.
+Bias corrections bc1 = 1 - beta1**step, bc2 = 1 - beta2**step are computed on the host from the Python int `step`
+(the engine counts steps on the host); they reach the kernel as fp64 bits, lr and clip are read in the kernel.
+
+Formats (master x moments, any combination; grad fp32 or bf16):
+- fp32: exact AdamW as above.
+- bf16 master / bf16 moments: upcast, the same fp32 update, stored with stochastic rounding (unbiased, the
+  integer trick of `to_bf16_stochastic`), random bits from Philox keyed per stream by `adamw_stream_seeds(seed)`
+  (master, m and v decorrelated) with counter (offset + i) // 8, as `stochastic_bits_reference` says: the result
+  depends only on (seed, offset + i). The update uses the fp32 moments before rounding, as torch's bf16 path.
+  `offset` must be a multiple of 8 so that a tile's 8-element Philox groups line up with its elements.
+- int8 moments (m int8, v uint8, fp32 scales, one per `block_size` elements, block j = [j * bs, (j + 1) * bs)):
+  8-bit floats normalised by the block's absmax, decoded with the old scale and re-encoded with a new one
+  (scale = absmax / top code value). m: sign + e4m3 magnitude; v: unsigned e5m3 (v >= 0 needs no sign bit, so
+  its exponent gets a bit more). e = exponent field, f = mantissa: e >= 1 encodes 2**(e - emax) * (1 + f / 8),
+  e == 0 encodes f * 2**(1 - emax - 3) (subnormals), emax = 2**E - 1; the top code is 1.875. Nearest rounding
+  (ties away from zero, deterministic) gives a relative error <= 2**-4 for normalised values >= 2**(1 - emax)
+  and an absolute error <= 2**(-emax - 3) * scale below (v: 2**(-emax - 2) * scale, see below): m keeps 18
+  binades below its block's max, v 34 (a gradient 2**-17 of its block's largest still has a non-zero v code).
+  Why not linear absmax codes: a v far below its block's max would round to 0 and its update
+  m / (sqrt(0) + eps) would explode. For the same reason a positive v never encodes to 0: it rounds up to the
+  smallest code at worst (its update shrinks, it never explodes).
+  Encoding is integer arithmetic on the fp32 bits, decoding builds the bits: exact on every device. A program
+  owns whole blocks (a tile of [rows, block_size]) so it computes each new absmax in registers. A block may span
+  segments of different weight decay: decay is per element.
+
+Segments: `(start, numel, weight_decay)` tiling [0, numel) in order. Adjacent segments of equal decay are merged
+(a decoder layer becomes two runs: its matrices, then its vectors) into a device table of run starts and decays,
+cached per (device, stream, runs) like engine/kernels/pack.py's tensor tables (one pinned, non-blocking upload on
+a miss). One launch covers the unit: each program finds the run of its first element and walks forward while a
+run boundary falls inside its tile (usually never), filling a per-element decay factor. Launching per segment
+instead would split int8 blocks that span two segments and cost a launch per tensor.
+
+Bytes per parameter (read + write; + 2 with weights_out, fp32 grad; bf16 grad reads 2 fewer):
+  master fp32, moments fp32: 16 + 12 = 28 B      master bf16, moments fp32: 14 + 10 = 24 B
+  master fp32, moments bf16: 12 + 8  = 20 B      master bf16, moments bf16: 10 + 6  = 16 B
+  master fp32, moments int8: 10 + 6  = 16 B      master bf16, moments int8:  8 + 4  = 12 B
+  (+ 16 B of scales per block per moment pair). A qwen7b layer (233 M) in fp32 with weights_out: 7 GB, ~1.6 ms
+  at 4.5 TB/s. Compute per element: ~25 fp32 ops, plus one Philox-4x32-10 per 8 elements per stochastically
+  rounded stream (up to 3) and ~20 integer ops per int8 moment.
+
+Non-finite values propagate as in torch (no checks, no syncs): a NaN gradient makes p, m, v NaN; for int8 a NaN
+makes its block's scale NaN. Without a GPU and without TRITON_INTERPRET=1 the torch reference
+`adamw_update_reference` runs instead, with the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import struct
+import threading
+from collections import OrderedDict
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.grad_accum import philox_4x32
+from engine.kernels.pack import load_tile, store_tile, to_fp32, uses_triton
+from engine.kernels.reference import M_CODE, V_CODE, adamw_stream_seeds
+
+MASTER_DTYPES = (torch.float32, torch.bfloat16)
+GRAD_DTYPES = (torch.float32, torch.bfloat16)
+MOMENT_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.uint8}  # m -> v
+MOMENTS_FP32, MOMENTS_BF16, MOMENTS_INT8 = 0, 1, 2
+BLOCK_SIZE_RANGE = (8, 16384)  # int8 block sizes: powers of two in this range
+
+# Elements per program (a multiple of the int8 block size, or one block when that is larger). Fixed, not autotuned;
+# bench/bench_adamw_update.py --sweep times alternatives.
+TILE_GPU = 2048
+NUM_WARPS_GPU = 8
+TILE_INTERPRET = 8192  # the interpreter pays per program
+
+
+def _code_constants(e_bits: int, m_bits: int) -> tuple:
+    """Constants of an (e_bits, m_bits) code, precomputed (the interpreter cannot do arithmetic on constexprs):
+    (SHIFT, EXP_BIAS, N_SUB, HALF, CODE_BIAS, MAX_CODE, TOP, SUB_STEP, SUB_SCALE, MIN_NORMAL)."""
+    emax = 2**e_bits - 1
+    consts = (23 - m_bits, (127 - emax) << 23, 1 << m_bits, 1 << (22 - m_bits), (127 - emax) << m_bits,
+              2**(e_bits + m_bits) - 1, 2.0 - 2.0**-m_bits, 2.0 ** (1 - emax - m_bits), 2.0 ** (emax - 1 + m_bits),
+              2.0 ** (1 - emax))
+    return tuple(tl.constexpr(c) for c in consts)
+
+
+(M_SHIFT, M_EXP_BIAS, M_N_SUB, M_HALF, M_CODE_BIAS, M_MAX_CODE, M_TOP, M_SUB_STEP, M_SUB_SCALE,
+ M_MIN_NORMAL) = _code_constants(*M_CODE)
+(V_SHIFT, V_EXP_BIAS, V_N_SUB, V_HALF, V_CODE_BIAS, V_MAX_CODE, V_TOP, V_SUB_STEP, V_SUB_SCALE,
+ V_MIN_NORMAL) = _code_constants(*V_CODE)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# jit helpers
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _bf16_bits_to_fp32(x_i16):
+    return (x_i16.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _stochastic_bf16_bits(x, c0, c1, k_lo, k_hi, col):
+    """fp32 [R, G, 8] -> bf16 bits (int16): (bits + r) >> 16, r the 16 random bits of column `col` of Philox
+    counter (c0, c1) under key (k_lo, k_hi); NaN stays NaN (quiet bit set)."""
+    r0, r1, r2, r3 = philox_4x32(c0, c1, k_lo, k_hi)
+    r0, r1, r2, r3 = r0[:, :, None], r1[:, :, None], r2[:, :, None], r3[:, :, None]
+    word = tl.where(col < 2, r0, tl.where(col < 4, r1, tl.where(col < 6, r2, r3)))
+    rnd = (word >> ((col & 1) * 16).to(tl.uint32)) & 0xFFFF
+    bits = x.to(tl.uint32, bitcast=True)
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    hi = tl.where(is_nan, (bits >> 16) | 0x40, (bits + rnd) >> 16)
+    return hi.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _nearest_bf16_bits(x):
+    """fp32 -> bf16 bits, round to nearest even (torch's rule, NaN -> 0x7FC0); the interpreter's cast truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    hi = tl.where(is_nan, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+    return hi.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _code_decode(code, SHIFT: tl.constexpr, EXP_BIAS: tl.constexpr, N_SUB: tl.constexpr, SUB_STEP: tl.constexpr):
+    """fp32 value of mini-float codes (int32); the constants come from `_code_constants`."""
+    normal = ((code << SHIFT) + EXP_BIAS).to(tl.float32, bitcast=True)
+    return tl.where(code < N_SUB, code.to(tl.float32) * SUB_STEP, normal)
+
+
+@triton.jit
+def _code_encode(x, SHIFT: tl.constexpr, HALF: tl.constexpr, CODE_BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
+                 SUB_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """Nearest code of fp32 x >= 0 (ties away from zero), saturating at MAX_CODE (NaN too)."""
+    normal = ((x.to(tl.int32, bitcast=True) + HALF) >> SHIFT) - CODE_BIAS
+    sub = tl.floor(tl.minimum(x, MIN_NORMAL) * SUB_SCALE + 0.5).to(tl.int32)  # clamped: no int32 overflow
+    return tl.minimum(tl.where(x < MIN_NORMAL, sub, normal), MAX_CODE)
+
+
+@triton.jit
+def _block_scale(val, TOP: tl.constexpr):
+    """Per-row absmax / TOP of [R, G, 8] values, NaN if a row holds a NaN (tl.max alone may drop it)."""
+    a = tl.abs(val)
+    amax = tl.max(tl.max(a, axis=2), axis=1)
+    has_nan = tl.max(tl.max((a != a).to(tl.int32), axis=2), axis=1) > 0
+    return tl.where(has_nan, float("nan"), tl.math.div_rn(amax, TOP))
+
+
+@triton.jit
+def _normalised(val, scale):
+    safe = tl.where(scale > 0, scale, 1.0)[:, None, None]
+    return tl.math.div_rn(tl.abs(val), safe)
+
+
+@triton.jit
+def _run_decay(run_ptr, n_runs, r, lr64):
+    wd = tl.load(run_ptr + n_runs + 1 + r).to(tl.float64, bitcast=True)
+    return (1.0 - lr64 * wd).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["numel", "n_runs", "bc1_bits", "group0", "kp_lo", "kp_hi", "km_lo", "km_hi",
+                               "kv_lo", "kv_hi"])
+def _adamw_kernel(p_ptr, m_ptr, v_ptr, g_ptr, w_ptr, ms_ptr, vs_ptr, lr_ptr, clip_ptr, run_ptr, n_runs, numel,
+                  bc1_bits, bc2_sqrt, lerp_coef, beta2, one_minus_beta2, eps, group0,
+                  kp_lo, kp_hi, km_lo, km_hi, kv_lo, kv_hi,
+                  R: tl.constexpr, G: tl.constexpr, NR_POW2: tl.constexpr, LERP_SMALL: tl.constexpr,
+                  MASTER_BF16: tl.constexpr, MOMENTS: tl.constexpr, WITH_WEIGHTS: tl.constexpr):
+    TILE: tl.constexpr = R * G * 8
+    pid = tl.program_id(0).to(tl.int64)
+    tile_start = pid * TILE
+    rows = tl.arange(0, R)[:, None, None]
+    groups = tl.arange(0, G)[None, :, None]
+    col = tl.arange(0, 8)[None, None, :]
+    idx = tile_start + rows * (G * 8) + groups * 8 + col
+    full = tile_start + TILE <= numel
+    tile_end = tl.minimum(tile_start + TILE, numel)
+
+    # per-element weight-decay factor: the run of the tile's first element, then any run starting inside it
+    lr64 = tl.load(lr_ptr).to(tl.float64)
+    run_rows = tl.arange(0, NR_POW2)
+    starts = tl.load(run_ptr + run_rows, mask=(run_rows >= 1) & (run_rows < n_runs), other=2**62)
+    r = tl.sum((starts <= tile_start).to(tl.int32), axis=0)
+    decay = tl.full([R, G, 8], 0.0, tl.float32) + _run_decay(run_ptr, n_runs, r, lr64)
+    next_start = tl.load(run_ptr + r + 1)
+    while next_start < tile_end:
+        r += 1
+        decay = tl.where(idx >= next_start, _run_decay(run_ptr, n_runs, r, lr64), decay)
+        next_start = tl.load(run_ptr + r + 1)
+
+    # fp64 `/` is correctly rounded on the GPU (div.rn.f64; only fp32 `/` is approximate there)
+    step_size = (-(lr64 / bc1_bits.to(tl.int64).to(tl.float64, bitcast=True))).to(tl.float32)
+    g = to_fp32(load_tile(g_ptr, idx, numel, full)) * tl.load(clip_ptr)
+    if MASTER_BF16:
+        p = _bf16_bits_to_fp32(load_tile(p_ptr, idx, numel, full))
+    else:
+        p = load_tile(p_ptr, idx, numel, full)
+    if MOMENTS == 2:
+        blocks = pid * R + tl.arange(0, R)
+        n_blocks = (numel + G * 8 - 1) // (G * 8)
+        m_scale = tl.load(ms_ptr + blocks, mask=blocks < n_blocks, other=0.0)[:, None, None]
+        v_scale = tl.load(vs_ptr + blocks, mask=blocks < n_blocks, other=0.0)[:, None, None]
+        m_code = load_tile(m_ptr, idx, numel, full).to(tl.int32)
+        m_mag = _code_decode(m_code & 0x7F, M_SHIFT, M_EXP_BIAS, M_N_SUB, M_SUB_STEP) * m_scale
+        m = tl.where(m_code < 0, -m_mag, m_mag)
+        v = _code_decode(load_tile(v_ptr, idx, numel, full).to(tl.int32), V_SHIFT, V_EXP_BIAS, V_N_SUB,
+                         V_SUB_STEP) * v_scale
+    elif MOMENTS == 1:
+        m = _bf16_bits_to_fp32(load_tile(m_ptr, idx, numel, full))
+        v = _bf16_bits_to_fp32(load_tile(v_ptr, idx, numel, full))
+    else:
+        m = load_tile(m_ptr, idx, numel, full)
+        v = load_tile(v_ptr, idx, numel, full)
+
+    p = p * decay
+    if LERP_SMALL:
+        m = tl.fma(lerp_coef, g - m, m)
+    else:
+        m = tl.fma(lerp_coef, g - m, g)
+    v = tl.fma(one_minus_beta2 * g, g, v * beta2)
+    denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2_sqrt) + eps
+    p = p + tl.math.div_rn(step_size * m, denom)
+
+    # Philox counters of the tile's 8-element groups, [R, G]
+    counter = group0 + pid * (TILE // 8) + tl.arange(0, R)[:, None] * G + tl.arange(0, G)[None, :]
+    c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (counter >> 32).to(tl.uint32)
+    if MASTER_BF16:
+        p_bits = _stochastic_bf16_bits(p, c0, c1, kp_lo.to(tl.uint32), kp_hi.to(tl.uint32), col)
+        store_tile(p_ptr, idx, numel, full, p_bits)
+        if WITH_WEIGHTS:
+            store_tile(w_ptr, idx, numel, full, p_bits)
+    else:
+        store_tile(p_ptr, idx, numel, full, p)
+        if WITH_WEIGHTS:
+            store_tile(w_ptr, idx, numel, full, _nearest_bf16_bits(p))
+    if MOMENTS == 2:
+        m_scale_new = _block_scale(m, M_TOP)
+        code = _code_encode(_normalised(m, m_scale_new), M_SHIFT, M_HALF, M_CODE_BIAS, M_MAX_CODE, M_SUB_SCALE,
+                            M_MIN_NORMAL)
+        code = tl.where((m < 0) & (code > 0), code + 128, code)
+        store_tile(m_ptr, idx, numel, full, code.to(tl.int8))
+        v_scale_new = _block_scale(v, V_TOP)
+        code = _code_encode(_normalised(v, v_scale_new), V_SHIFT, V_HALF, V_CODE_BIAS, V_MAX_CODE, V_SUB_SCALE,
+                            V_MIN_NORMAL)
+        code = tl.where((code == 0) & (v > 0), 1, code)
+        store_tile(v_ptr, idx, numel, full, code.to(tl.uint8))
+        tl.store(ms_ptr + blocks, m_scale_new, mask=blocks < n_blocks)
+        tl.store(vs_ptr + blocks, v_scale_new, mask=blocks < n_blocks)
+    elif MOMENTS == 1:
+        store_tile(m_ptr, idx, numel, full, _stochastic_bf16_bits(m, c0, c1, km_lo.to(tl.uint32),
+                                                                  km_hi.to(tl.uint32), col))
+        store_tile(v_ptr, idx, numel, full, _stochastic_bf16_bits(v, c0, c1, kv_lo.to(tl.uint32),
+                                                                  kv_hi.to(tl.uint32), col))
+    else:
+        store_tile(m_ptr, idx, numel, full, m)
+        store_tile(v_ptr, idx, numel, full, v)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------------------------
+_RUN_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_RUN_CACHE_SIZE = 256
+_RUN_LOCK = threading.Lock()
+
+
+def _f64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _fp32(x: float) -> float:
+    """The nearest fp32 value of a Python float, as a Python float (exact when Triton passes it as fp32)."""
+    return struct.unpack("<f", struct.pack("<f", float(x)))[0]
+
+
+def _run_table(runs: Tuple[Tuple[int, float], ...], numel: int, device: torch.device) -> torch.Tensor:
+    """int64 [2 * n_runs + 1]: the run starts, `numel`, then each run's weight decay as fp64 bits."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, numel, runs)
+    with _RUN_LOCK:
+        hit = _RUN_CACHE.get(key)
+        if hit is not None:
+            _RUN_CACHE.move_to_end(key)
+            return hit
+    host = torch.tensor([s for s, _ in runs] + [numel] + [_f64_bits(wd) for _, wd in runs], dtype=torch.int64)
+    # pinned + non_blocking: no host sync; the caching host allocator keeps the buffer until the copy ran
+    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    with _RUN_LOCK:
+        _RUN_CACHE[key] = table
+        if len(_RUN_CACHE) > _RUN_CACHE_SIZE:
+            _RUN_CACHE.popitem(last=False)
+    return table
+
+
+def _check_flat(name: str, t, dtypes, numel: Optional[int], device) -> None:
+    op = "adamw_update"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be 1-D and contiguous, got shape {tuple(t.shape)} stride {t.stride()}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{op}: {name} has dtype {t.dtype}; supported: {', '.join(map(str, dtypes))}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{op}: {name} has {t.numel()} elements, master has {numel}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device}, master on {device}")
+
+
+def _check_scalar_tensor(name: str, t, device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 0 or t.dtype != torch.float32 or t.device != device:
+        got = f"{t.dtype} shape {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"adamw_update: {name} must be a 0-d torch.float32 tensor on {device} (read in the kernel, "
+                         f"no host sync), got {got}")
+
+
+def _merged_runs(segments, numel: int) -> Tuple[Tuple[int, float], ...]:
+    """Validate segments (start, numel, weight_decay) tiling [0, numel) in order; merge equal neighbours."""
+    op = "adamw_update"
+    runs: List[Tuple[int, float]] = []
+    expected = 0
+    for i, seg in enumerate(segments):
+        try:
+            start, count, wd = seg
+            start, count = operator.index(start), operator.index(count)
+            wd = float(wd)
+        except (TypeError, ValueError):
+            raise ValueError(f"{op}: segments[{i}] is {seg!r}; each segment is (start, numel, weight_decay) with "
+                             "integer start and numel") from None
+        if start != expected:
+            raise ValueError(f"{op}: segments must tile [0, {numel}) in order: segments[{i}] starts at {start}, "
+                             f"expected {expected}")
+        if count < 0 or not math.isfinite(wd) or wd < 0:
+            raise ValueError(f"{op}: segments[{i}] = {seg!r}: numel must be >= 0 and weight_decay finite and >= 0")
+        if count == 0:
+            continue
+        if not runs or runs[-1][1] != wd:
+            runs.append((start, wd))
+        expected = start + count
+    if expected != numel:
+        raise ValueError(f"{op}: segments must tile [0, {numel}) in order: they end at {expected}")
+    return tuple(runs)
+
+
+def layout_segments(layout, weight_decay: float) -> List[Tuple[int, int, float]]:
+    """Segments of a `UnitLayout`'s flat buffer [0, layout.numel): each tensor with its alignment padding after it,
+    `weight_decay` on tensors of two or more dimensions (`spec.decay`), 0 on the rest."""
+    ends = layout.offsets[1:] + [layout.numel]
+    segments = [(off, end - off, weight_decay if s.decay else 0.0)
+                for s, off, end in zip(layout.specs, layout.offsets, ends)]
+    if layout.offsets and layout.offsets[0] > 0:
+        segments.insert(0, (0, layout.offsets[0], 0.0))
+    return segments
+
+
+def launch_config(device: torch.device, block_size: Optional[int]) -> Tuple[int, int, int]:
+    """(R, G, num_warps) of the [R, G, 8] tile: G * 8 = the int8 block size (R blocks per program), else R = 1."""
+    tile = TILE_GPU if device.type == "cuda" else TILE_INTERPRET
+    num_warps = NUM_WARPS_GPU if device.type == "cuda" else 1
+    if block_size is None:
+        return 1, tile // 8, num_warps
+    return max(1, tile // block_size), block_size // 8, num_warps
+
+
+def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, *, lr: torch.Tensor,
+                 clip: torch.Tensor, step: int, beta1: float, beta2: float, eps: float,
+                 segments: Sequence[Tuple[int, int, float]], weights_out: Optional[torch.Tensor] = None,
+                 m_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
+                 block_size: Optional[int] = None, seed: int = 0, offset: int = 0) -> None:
+    """One AdamW step in place over flat state, in one launch (see the module docstring for the arithmetic).
+
+    master: 1-D contiguous fp32 or bf16. m, v: same numel; fp32 / fp32, bf16 / bf16, or int8 / uint8 (blockwise
+    8-bit codes, with fp32 `m_scales` / `v_scales` of ceil(numel / block_size) elements and `block_size` a power of
+    two in [8, 16384]). grad: fp32 or bf16. weights_out: optional bf16, receives the new master rounded to nearest
+    (for a bf16 master: the same bits). lr, clip: 0-d fp32 tensors on the state's device. step: the Adam step
+    count after its increment (Python int >= 1). segments: (start, numel, weight_decay) tiling [0, numel) in
+    order (`layout_segments` builds them for a UnitLayout). seed: any int, keys the stochastic rounding of bf16
+    state; offset: logical index of element 0 in that random stream, a multiple of 8. Raises ValueError, before
+    launching anything, on a bad argument."""
+    op = "adamw_update"
+    _check_flat("master", master, MASTER_DTYPES, None, None)
+    numel, device = master.numel(), master.device
+    _check_flat("m", m, tuple(MOMENT_DTYPES), numel, device)
+    _check_flat("v", v, (MOMENT_DTYPES[m.dtype],), numel, device)
+    _check_flat("grad", grad, GRAD_DTYPES, numel, device)
+    if weights_out is not None:
+        _check_flat("weights_out", weights_out, (torch.bfloat16,), numel, device)
+    _check_scalar_tensor("lr", lr, device)
+    _check_scalar_tensor("clip", clip, device)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"{op}: step must be a Python int >= 1 (the step count after its increment), got {step!r}")
+    for name, beta in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{op}: {name} must be in [0, 1), got {beta!r}")
+    if not eps >= 0.0:
+        raise ValueError(f"{op}: eps must be >= 0, got {eps!r}")
+    quantized = m.dtype == torch.int8
+    if quantized:
+        lo, hi = BLOCK_SIZE_RANGE
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not lo <= block_size <= hi \
+                or block_size & (block_size - 1):
+            raise ValueError(f"{op}: int8 moments need block_size, a power of two in [{lo}, {hi}]; got {block_size!r}")
+        n_blocks = -(-numel // block_size)
+        for name, s in (("m_scales", m_scales), ("v_scales", v_scales)):
+            if s is None:
+                raise ValueError(f"{op}: int8 moments need {name} (fp32, {n_blocks} elements: one per block)")
+            _check_flat(name, s, (torch.float32,), n_blocks, device)
+    elif m_scales is not None or v_scales is not None or block_size is not None:
+        raise ValueError(f"{op}: m_scales, v_scales and block_size apply to int8 moments only (m is {m.dtype})")
+    seed = int(seed) & (2**64 - 1)
+    offset = operator.index(offset)
+    if offset < 0 or offset % 8:
+        raise ValueError(f"{op}: offset must be a non-negative multiple of 8, got {offset}")
+    runs = _merged_runs(segments, numel)
+
+    if not uses_triton(device):
+        from engine.kernels.reference import adamw_update_reference
+        adamw_update_reference(master, m, v, grad, lr=lr, clip=clip, step=step, beta1=beta1, beta2=beta2, eps=eps,
+                               segments=segments, weights_out=weights_out, m_scales=m_scales, v_scales=v_scales,
+                               block_size=block_size, seed=seed, offset=offset)
+        return
+    if numel == 0:
+        return
+    R, G, num_warps = launch_config(device, block_size if quantized else None)
+    table = _run_table(runs, numel, device)
+    w = _fp32(1.0 - beta1)
+    lerp_small = abs(w) < 0.5
+    lerp_coef = w if lerp_small else _fp32(w - 1.0)  # w - 1 is exact in fp32 for w in [0.5, 1]
+    keys = adamw_stream_seeds(seed)
+    # + 2**32: every half reaches the kernel as an int64 (Triton types an int argument by its value, so a half
+    # below 2**31 would be int32 and compile another variant); the kernel's uint32 cast drops the 2**32
+    halves = [k + 2**32 for key in keys for k in (key & 0xFFFFFFFF, key >> 32)]
+    moments = {torch.float32: MOMENTS_FP32, torch.bfloat16: MOMENTS_BF16, torch.int8: MOMENTS_INT8}[m.dtype]
+
+    def bits16(t):
+        return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+    dummy = master  # placeholder pointer for the tensors a format does not use (never dereferenced)
+    grid = (triton.cdiv(numel, R * G * 8),)
+    _adamw_kernel[grid](bits16(master), bits16(m), bits16(v), grad,
+                        weights_out.view(torch.int16) if weights_out is not None else dummy,
+                        m_scales if quantized else dummy, v_scales if quantized else dummy, lr, clip, table,
+                        len(runs), numel, _f64_bits(1.0 - beta1 ** float(step)),
+                        _fp32(math.sqrt(1.0 - beta2 ** float(step))), lerp_coef, _fp32(beta2), _fp32(1.0 - beta2),
+                        _fp32(eps), offset // 8, *halves, R=R, G=G, NR_POW2=max(2, triton.next_power_of_2(len(runs))),
+                        LERP_SMALL=lerp_small, MASTER_BF16=master.dtype == torch.bfloat16, MOMENTS=moments,
+                        WITH_WEIGHTS=weights_out is not None, num_warps=num_warps, enable_fp_fusion=False)
