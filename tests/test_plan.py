@@ -1,6 +1,7 @@
 """The planner's refusals: every memory tier that overflows is named with its numbers."""
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from engine.model import ModelSpec
@@ -107,3 +108,68 @@ def test_the_margin_is_reserved_not_allocated():
     assert 0 < plan.allocated("gpu") < plan.total("gpu")
     assert plan.total("gpu") - plan.allocated("gpu") == int((2.0 + 0.05 * 139.0) * 2**30)
     assert plan.allocated("host") == plan.total("host")
+
+
+class _SdpaLike(torch.autograd.Function):
+    """Stands in for a fused SDPA backend (the CPU's math backend would save the score matrix): saves q, k, v, its
+    output and an fp32 log-sum-exp, and returns the output in [B, H, T, D] as SDPA does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_zeros(q.shape)
+        ctx.save_for_backward(q, k, v, out, q.new_zeros(q.shape[:3], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, *_ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_eager_layer_graph_bytes_are_what_autograd_saves(monkeypatch, qk_norm):
+    """The planner's eager count per token equals the bytes the saved-tensor hooks see around `decoder_layer` under
+    bf16 autocast (parameters, the layer input and the RoPE tables excluded: they live elsewhere), with and without
+    Qwen3's qk-norm."""
+    from engine.model import attention, dense
+    from engine.plan import layer_activation_bytes_per_token
+
+    monkeypatch.setattr(attention, "HAVE_FLASH_ATTN", False)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda q, k, v, is_causal, enable_gqa: _SdpaLike.apply(q, k, v))
+    cfg = make_cfg(["model.hidden_size=72", "model.intermediate_size=100", "model.num_hidden_layers=1",
+                    "model.num_attention_heads=6", "model.num_key_value_heads=2", "model.vocab_size=256",
+                    *(["model.model_type=qwen3", "model.qkv_bias=false", "model.qk_norm=true"] if qk_norm else [])])
+    spec = ModelSpec(cfg.model)
+    B, T = 2, 37
+    params = {s.name: torch.randn(s.shape, requires_grad=True) for s in spec.units[1].layout.specs}
+    x = torch.randn(B, T, spec.arch.hidden, requires_grad=True)
+    rope = spec.rope(T, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the engine's slots hold bf16 matrices: no weight casts
+        params = {k: (v.to(torch.bfloat16) if v.dim() == 2 else v) for k, v in params.items()}
+    elsewhere = {t.untyped_storage().data_ptr() for t in [x, rope.cos_TD, rope.sin_TD, *params.values()]}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in elsewhere:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        dense.decoder_layer(params, x, rope, spec.arch)
+    measured = sum(saved.values()) / (B * T)
+    counted = layer_activation_bytes_per_token(spec, 2, compiled=False)
+    assert measured == counted
+    assert counted > 1.5 * layer_activation_bytes_per_token(spec, 2, compiled=True)
+
+
+def test_an_eager_run_plans_fewer_kept_graphs_than_a_compiled_one():
+    over = ["model=qwen3b", "engine=stream", "hardware=h200", "train.seq_len=4096", "train.micro_batch_size=4",
+            "train.grad_accum=4", "plan=true"]
+    spec = ModelSpec(make_cfg(over).model)
+    kept = {}
+    for mode in ("on", "off"):
+        cfg = make_cfg(over + [f"train.compile={mode}"])
+        kept[mode] = build_plan(spec, cfg, 139.0, 125.0, on_gpu=True).placement["keep_activation_layers"]
+    assert kept["off"] < kept["on"]
