@@ -4,7 +4,7 @@
     python bench/bench_adamw_update.py --out bench/results/adamw_update_sweep.jsonl --sweep   # other TILE / warps
     python bench/bench_adamw_update.py --cpu --numel 20000 --out /tmp/adamw.jsonl   # logic check, interpreter
 
-Layer sizes come from the project config (`bench_pack.layer_layout`: qwen7b 233 M, qwen32b 488 M, qwen72b 878 M
+Layer sizes come from the project config (`kernel_bench.layer_layout`: qwen7b 233 M, qwen32b 488 M, qwen72b 878 M
 parameters per decoder layer); `--numel N` replaces them with one synthetic unit of N elements. One call = one
 AdamW step over a whole layer's flat state with `weights_out` (the bf16 compute weights), fp32 gradient, weight
 decay on the matrices (`layout_segments`). Bandwidth = bytes read + written per second (`bytes_per_param` of the
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pack import MODELS, ROOT, layer_layout, require_gpu, write_rows  # noqa: E402
+from kernel_bench import MODELS, ROOT, layer_layout, require_gpu, write_rows  # noqa: E402
 
 FORMATS = [("fp32", "fp32"), ("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "bf16"), ("fp32", "int8"), ("bf16", "int8")]
 SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 8), (8192, 16)]

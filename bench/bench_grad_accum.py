@@ -4,8 +4,9 @@ qwen7b/32b/72b.
     python bench/bench_grad_accum.py --out bench/results/grad_accum.jsonl
     python bench/bench_grad_accum.py --out bench/results/grad_accum_sweep.jsonl --sweep
 
-Same conventions as bench/bench_pack.py (medians of do_bench, bandwidth = bytes read + written per second, the
-copy rate measured in the same run, `torch_impl` naming the fastest torch way). Cases, per layer:
+Conventions of bench/kernel_bench.py (medians of do_bench, bandwidth = bytes read + written per second, the copy
+rate measured in the same run, `torch_impl` naming the fastest torch way); `--sweep` also times the other BLOCK /
+num_warps launch configurations of engine/kernels/tiles.py in `SWEEP`. Cases, per layer:
 - bf16 grads, first micro-batch (`first=True`: flat = g): 6 B/element; torch `_foreach_copy_` on the views;
 - bf16 grads, later micro-batch (flat += g): 10 B/element; torch `_foreach_add_`;
 - bf16 grads, last micro-batch with norms of the result: 10 B/element; torch `_foreach_add_` + `_foreach_norm`;
@@ -22,14 +23,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pack import (MODELS, ROOT, SWEEP, best_torch, copy_gbps, layer_layout, print_table,  # noqa: E402
-                        require_gpu, row, time_ms, write_rows)
+from kernel_bench import (MODELS, ROOT, best_torch, copy_gbps, layer_layout, print_table, require_gpu,  # noqa: E402
+                          row, time_ms, write_rows)
 from engine.metrics import run_environment  # noqa: E402
+
+SWEEP = [(4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8), (16384, 16)]  # (BLOCK, num_warps)
 
 
 def bench_model(torch, model: str, copy_rate: float, info: dict, configs) -> list:
     import engine.kernels.grad_accum as G
-    import engine.kernels.pack as P
+    import engine.kernels.tiles as T
 
     layout = layer_layout(model)
     numel = layout.param_numel
@@ -60,7 +63,7 @@ def bench_model(torch, model: str, copy_rate: float, info: dict, configs) -> lis
             impls = {"foreach_add_": foreach_add, "add_loop": add_loop}
         torch_name, torch_ms = best_torch(impls)
         for block, num_warps in configs:
-            P.BLOCK_GPU, P.NUM_WARPS_GPU = block, num_warps
+            T.BLOCK_GPU, T.NUM_WARPS_GPU = block, num_warps
             base = [torch.randn_like(v) for v in views]
             torch._foreach_copy_(views, base)
             G.accumulate(flat, grads, layout.offsets, first=first, sq_norms_out=sq)
@@ -108,10 +111,10 @@ def main() -> None:
     args = ap.parse_args()
     torch, _ = require_gpu("bench_grad_accum")
     import engine.kernels.grad_accum as G
-    import engine.kernels.pack as P
+    import engine.kernels.tiles as T
 
-    configs = SWEEP if args.sweep else [(P.BLOCK_GPU, P.NUM_WARPS_GPU)]
-    default = (P.BLOCK_GPU, P.NUM_WARPS_GPU, G.SR_ROWS_GPU, G.SR_NUM_WARPS_GPU)
+    configs = SWEEP if args.sweep else [(T.BLOCK_GPU, T.NUM_WARPS_GPU)]
+    default = (T.BLOCK_GPU, T.NUM_WARPS_GPU, G.SR_ROWS_GPU, G.SR_NUM_WARPS_GPU)
     info = run_environment()
     rate = copy_gbps()
     print(f"device-to-device copy: {rate:.0f} GB/s", flush=True)
@@ -120,7 +123,7 @@ def main() -> None:
         for model in args.models.split(","):
             rows += bench_model(torch, model, rate, info, configs)
     finally:
-        P.BLOCK_GPU, P.NUM_WARPS_GPU, G.SR_ROWS_GPU, G.SR_NUM_WARPS_GPU = default
+        T.BLOCK_GPU, T.NUM_WARPS_GPU, G.SR_ROWS_GPU, G.SR_NUM_WARPS_GPU = default
         write_rows(args.out, rows)
     print_table(rows)
 

@@ -19,8 +19,8 @@ for stage in "$@"; do
     adamw) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 200 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
              tests/kernels/test_adamw_update.py > "$OUT/gpu_adamw_tests.log" 2>&1; tail -12 "$OUT/gpu_adamw_tests.log"
            timeout 240 python3 bench/bench_adamw_update.py --sweep --out "$OUT/adamw_update.jsonl" 2>&1 | tail -40 ;;
-    kernels) timeout 150 python3 bench/bench_pack.py --out "$OUT/pack.jsonl" 2>&1 | tail -12
-             timeout 150 python3 bench/bench_grad_accum.py --out "$OUT/grad_accum.jsonl" 2>&1 | tail -12 ;;
+    kernels) timeout 150 python3 bench/bench_grad_accum.py --out "$OUT/grad_accum.jsonl" 2>&1 | tail -12
+             timeout 150 python3 bench/bench_adamw_update.py --out "$OUT/adamw_update.jsonl" 2>&1 | tail -12 ;;
     checkpoint) timeout 300 python3 bench/bench_checkpoint.py --model qwen7b --workdir /tmp/ckpt \
                   --out "$OUT/checkpoint.jsonl" hardware=h200 2>&1 | tail -12; rm -rf /tmp/ckpt ;;
     housekeeping) timeout 500 python3 bench/bench_engine.py --grid housekeeping --out "$OUT/engine.jsonl" \

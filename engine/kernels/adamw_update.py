@@ -40,7 +40,7 @@ Formats (master x moments, any combination; grad fp32 or bf16):
 
 Segments: `(start, numel, weight_decay)` tiling [0, numel) in order. Adjacent segments of equal decay are merged
 (a decoder layer becomes two runs: its matrices, then its vectors) into a device table of run starts and decays,
-cached per (device, stream, runs) like engine/kernels/pack.py's tensor tables (one pinned, non-blocking upload on
+cached per (device, stream, runs) like engine/kernels/tiles.py's tensor tables (one pinned, non-blocking upload on
 a miss). One launch covers the unit: each program finds the run of its first element and walks forward while a
 run boundary falls inside its tile (usually never), filling a per-element decay factor. Launching per segment
 instead would split int8 blocks that span two segments and cost a launch per tensor.
@@ -71,20 +71,23 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import formats
 from engine.kernels.grad_accum import philox_4x32
-from engine.kernels.pack import load_tile, store_tile, to_fp32, uses_triton
+from engine.kernels.tiles import load_tile, store_tile, to_fp32, uses_triton
 from engine.kernels.reference import M_CODE, V_CODE, adamw_stream_seeds
 
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 MOMENT_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.uint8}  # m -> v
 MOMENTS_FP32, MOMENTS_BF16, MOMENTS_INT8 = 0, 1, 2
-BLOCK_SIZE_RANGE = (8, 16384)  # int8 block sizes: powers of two in this range
+BLOCK_SIZE_RANGE = formats.BLOCK_SIZE_RANGE  # int8 block sizes: powers of two in this range
 
-# Elements per program (a multiple of the int8 block size, or one block when that is larger). Fixed, not autotuned;
-# bench/bench_adamw_update.py --sweep times alternatives.
-TILE_GPU = 2048
-NUM_WARPS_GPU = 8
+# Elements per program (a multiple of the int8 block size, or one block when that is larger). Fixed, not autotuned:
+# the H200 sweep of 2026-12-04 (bench/results/adamw_update_h200_2026-12-04.jsonl, --sweep) found 1024 elements on
+# 4 warps the fastest or within 1% of it in every format at qwen7b/32b/72b layer sizes (fp32 state 0.98 of the
+# device-to-device copy rate, bf16 + int8 0.49-0.50; 2048 on 8 warps, the earlier choice, 0.96 and 0.40).
+TILE_GPU = 1024
+NUM_WARPS_GPU = 4
 TILE_INTERPRET = 8192  # the interpreter pays per program
 
 

@@ -3,10 +3,10 @@
 `accumulate(flat, grads, offsets)` does `flat[off_i : off_i + n_i] += scale * grads[i]` for every gradient of a
 unit in ONE launch (`first=True` overwrites, so a fresh accumulator needs no zeroing pass). Gradients may mix
 bf16 / fp16 / fp32 (a layer's matmul gradients arrive in the compute dtype, its norm and bias gradients in fp32).
-The launch machinery is engine/kernels/pack.py's: a per-call tensor table of (address, numel, offset, first block, dtype
-code), one program per BLOCK elements of the total, an unmasked path for every full block, alignment hints when
-all addresses are 16-byte aligned and every offset is a multiple of 8 elements (UnitLayout offsets are multiples
-of 64). Padding between tensors is never touched.
+The launch machinery is engine/kernels/tiles.py's: a cached tensor table of (address, numel, offset, first block,
+dtype code), one program per BLOCK elements of the total, an unmasked path for every full block, alignment hints
+when all addresses are 16-byte aligned and every offset is a multiple of 8 elements (UnitLayout offsets are
+multiples of 64). Padding between tensors is never touched.
 
 Exactness contract: with `scale == 1.0` no multiply is compiled in (so nothing can fuse into an FMA): the result
 is `flat + float32(g)` rounded once, bit-identical to torch's `flat_view.add_(g)` (and `first=True` to
@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pack import (as_pointer, check_flat, check_tensors, find_tensor, launch_config, load_tile,
-                          store_tile, sum_partials, tensor_entry, tensor_table, to_fp32, uses_triton)
+from engine.kernels.tiles import (as_pointer, check_flat, check_tensors, find_tensor, launch_config, load_tile,
+                                  store_tile, sum_partials, tensor_entry, tensor_table, to_fp32, uses_triton)
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

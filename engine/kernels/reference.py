@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 
 # ---------------------------------------------------------------------------------------------------------------
-# engine/kernels/pack.py
+# engine/kernels/grad_accum.py
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -23,29 +23,6 @@ def sq_norms_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     device = tensors[0].device if len(tensors) else torch.device("cpu")
     return torch.stack([t.detach().double().pow(2).sum() for t in tensors]) if len(tensors) else \
         torch.zeros(0, dtype=torch.float64, device=device)
-
-
-def pack_reference(tensors: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor,
-                   compute_sq_norms: bool = False) -> Optional[torch.Tensor]:
-    """`out[off_i : off_i + n_i] = tensors[i].flatten()` cast to out.dtype (torch rounding: nearest even); the
-    padding is left untouched. With `compute_sq_norms`, also returns the fp32 per-tensor sums of squares of the
-    source values (computed in fp64, rounded once)."""
-    for t, off in zip(tensors, offsets):
-        out[off:off + t.numel()].copy_(t.detach().reshape(-1))
-    if not compute_sq_norms:
-        return None
-    return sq_norms_reference(tensors).to(device=out.device, dtype=torch.float32)
-
-
-def unpack_reference(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
-    """`outs[i].view(-1)[:] = flat[off_i : off_i + n_i]` cast to each out's dtype, in place."""
-    for o, off in zip(outs, offsets):
-        o.view(-1).copy_(flat[off:off + o.numel()])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# engine/kernels/grad_accum.py
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def accumulate_reference(flat: torch.Tensor, grads: Sequence[torch.Tensor], offsets: Sequence[int],

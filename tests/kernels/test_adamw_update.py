@@ -15,7 +15,7 @@ import torch
 import engine.kernels.adamw_update as A
 from engine.kernels.reference import (M_CODE, V_CODE, adamw_update_reference, code_decode_reference,
                                       code_encode_reference, stochastic_bits_reference)
-from tests.kernels.test_pack import small_layer
+from tests.kernels.test_tiles import small_layer
 
 HP = dict(beta1=0.9, beta2=0.95, eps=1e-8)
 LR = 2.0**-10 * 1.375  # an fp32 value, so torch's Python-float lr equals the kernel's tensor

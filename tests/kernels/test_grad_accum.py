@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import engine.kernels.grad_accum as G
-import engine.kernels.pack as P
+import engine.kernels.tiles as T
 from engine.kernels.reference import (accumulate_reference, philox_reference, sq_norms_reference,
                                       stochastic_bits_reference, stochastic_round_reference)
-from tests.kernels.test_pack import (ODD_SHAPES, CountingKernel, aligned_offsets, bits, qwen7b_layer,
-                                     small_layer, values)
+from tests.kernels.test_tiles import (ODD_SHAPES, CountingKernel, aligned_offsets, bits, qwen7b_layer,
+                                      small_layer, values)
 
 K_MICRO = 5
 
@@ -100,7 +100,7 @@ def test_layer_one_launch_and_layout_helper(monkeypatch):
     flat = torch.zeros(layout.numel)
     for m, g in enumerate(grads):
         G.accumulate_layout(layout, flat, g, first=m == 0)
-    block, _ = P.launch_config(flat.device)
+    block, _ = T.launch_config(flat.device)
     assert counter.grids == [(sum(-(-s.numel // block) for s in layout.specs),)] * 3
     want = torch.zeros(layout.numel)
     views = layout.views(want)

@@ -1,0 +1,92 @@
+"""Training-state formats (DESIGN.md §4, "State formats"): what one parameter costs in each tier, by format.
+
+Three typed fields of `train` choose them, each checked at compose time:
+- `train.master_dtype`: fp32 (exact) | bf16 (updated with stochastic rounding);
+- `train.moments_dtype`: fp32 | bf16 (stochastic rounding) | int8 (blockwise 8-bit floats with one fp32 scale per
+  `train.moments_block_size` elements per moment, engine/kernels/adamw_update.py);
+- `train.grad_dtype`: fp32 | bf16 (stochastic rounding): the gradients held until the global norm is known.
+
+Bytes per parameter: master 4 / 2, moments 8 / 4 / 2 (+ 8 B of scales per block), gradient 4 / 2. The exact recipe
+is 12 + 4 = 16 B; bf16 master + int8 moments + bf16 gradients about 6 B, which is what puts qwen32b (32.8 G
+parameters, 197 GB) into 128 GiB of host plus the H200's spare HBM.
+
+Every format other than all-fp32 is updated on the GPU by the fused kernel (GPU-resident or GPU-streamed units):
+the host AdamW (torch's fused CPU AdamW) updates fp32 state only. `all_formats` lists every combination from the
+most precise to the smallest, the order in which a refusal suggests them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Tuple
+
+MASTER_DTYPES = ("fp32", "bf16")
+MOMENTS_DTYPES = ("fp32", "bf16", "int8")
+GRAD_DTYPES = ("fp32", "bf16")
+BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+SCALE_BYTES = 4
+BLOCK_SIZE_RANGE = (8, 16384)  # int8 moments: the fused update kernel's tile holds whole blocks
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    master: str = "fp32"
+    moments: str = "fp32"
+    grad: str = "fp32"
+    block_size: int = 256  # int8 moments: elements per scale
+
+    @classmethod
+    def of(cls, train_cfg) -> "StateFormat":
+        return cls(train_cfg.master_dtype, train_cfg.moments_dtype, train_cfg.grad_dtype,
+                   train_cfg.moments_block_size)
+
+    @property
+    def exact(self) -> bool:
+        """fp32 everywhere: the update equals torch.optim.AdamW on an fp32 model, and the host AdamW can run it."""
+        return self.master == self.moments == self.grad == "fp32"
+
+    def master_bytes(self, numel: int) -> int:
+        return BYTES[self.master] * numel
+
+    def moments_bytes(self, numel: int) -> int:
+        """m and v of `numel` parameters, with their per-block scales for int8."""
+        if self.moments == "int8":
+            return 2 * numel + 2 * SCALE_BYTES * -(-numel // self.block_size)
+        return 2 * BYTES[self.moments] * numel
+
+    def state_bytes(self, numel: int) -> int:
+        """Master + moments: what a unit's optimizer state takes in its home tier (and over the link, each way, when
+        it is streamed to the GPU for its update)."""
+        return self.master_bytes(numel) + self.moments_bytes(numel)
+
+    def grad_bytes(self, numel: int) -> int:
+        return BYTES[self.grad] * numel
+
+    def update_hbm_bytes(self, numel: int) -> int:
+        """HBM traffic of one update of `numel` parameters: read and write master and moments, read the gradient;
+        the fused kernel of the low-precision formats also writes the bf16 weights (the exact recipe runs torch's
+        fused AdamW, which does not)."""
+        return 2 * self.state_bytes(numel) + self.grad_bytes(numel) + (0 if self.exact else 2 * numel)
+
+    def overrides(self) -> str:
+        text = f"train.master_dtype={self.master} train.moments_dtype={self.moments} train.grad_dtype={self.grad}"
+        return text + (f" train.moments_block_size={self.block_size}" if self.moments == "int8" else "")
+
+    def bytes_per_param(self) -> float:
+        """State + gradient bytes per parameter of a large unit (scales included)."""
+        n = 1 << 20
+        return (self.state_bytes(n) + self.grad_bytes(n)) / n
+
+
+def all_formats(block_size: int = 256) -> Tuple[StateFormat, ...]:
+    """Every combination, the most precise first (fewest bytes per parameter last)."""
+    combos = [StateFormat(m, mo, g, block_size)
+              for m, mo, g in itertools.product(MASTER_DTYPES, MOMENTS_DTYPES, GRAD_DTYPES)]
+    return tuple(sorted(combos, key=lambda f: -f.bytes_per_param()))
+
+
+def update_seed(run_seed: int, unit: int, step: int) -> int:
+    """The key of one unit's stochastic rounding at one Adam step: a function of the run's seed, the unit and the
+    step only, so a run is reproducible and a resumed run rounds as the uninterrupted one would."""
+    return (int(run_seed) * 1_000_003 + int(unit)) * 1_000_033 + int(step)
