@@ -35,6 +35,8 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from engine import formats
+
 
 def _conf_dir() -> Path:
     root = Path(__file__).resolve().parent.parent
@@ -54,7 +56,8 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 RENAMED = {"engine.checkpoint_tier": "engine.activation_tier",
            "engine.device_optimizer_units": "engine.gpu_resident_units",
            "hardware.achieved_tflops": "hardware.fwd_tflops_compiled / bwd_tflops_compiled / head_tflops_compiled "
-                                       "(and the _eager ones), measured by bench/calibrate.py"}
+                                       "(and the _eager ones), measured by bench/calibrate.py",
+           "train.precision": "train.master_dtype / train.moments_dtype / train.grad_dtype (engine/formats.py)"}
 
 
 @dataclass
@@ -103,7 +106,11 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     max_grad_norm: float = 1.0  # global-norm clipping; 0 disables it
-    precision: str = "fp32_master"  # fp32 master weights and fp32 Adam moments
+    # training-state formats (engine/formats.py): fp32 everywhere is exact; the others are updated on the GPU
+    master_dtype: str = "fp32"  # fp32 | bf16 (stochastic rounding)
+    moments_dtype: str = "fp32"  # fp32 | bf16 (stochastic rounding) | int8 (blockwise 8-bit floats + fp32 scales)
+    grad_dtype: str = "fp32"  # fp32 | bf16 (stochastic rounding): gradients held until the global norm is known
+    moments_block_size: int = 256  # int8 moments: elements per scale, a power of two
     compute_dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     activation_checkpointing: bool = True  # engine=reference only: the stream engine always recomputes
     compile: str = "auto"  # torch.compile the layer and loss templates: auto (on CUDA) | on | off
@@ -485,7 +492,13 @@ def _validate_train(cfg: DictConfig) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
                           f"{m.max_position_embeddings} of model={m.name}; raise model.max_position_embeddings to "
                           "train past the published context")
-    _choice("train.precision", t.precision, ("fp32_master",))
+    _choice("train.master_dtype", t.master_dtype, formats.MASTER_DTYPES)
+    _choice("train.moments_dtype", t.moments_dtype, formats.MOMENTS_DTYPES)
+    _choice("train.grad_dtype", t.grad_dtype, formats.GRAD_DTYPES)
+    lo, hi = formats.BLOCK_SIZE_RANGE
+    if not lo <= t.moments_block_size <= hi or t.moments_block_size & (t.moments_block_size - 1):
+        raise ConfigError(f"train.moments_block_size={t.moments_block_size} is not valid; use a power of two in "
+                          f"[{lo}, {hi}] (elements per fp32 scale of the int8 moments)")
     _choice("train.compute_dtype", t.compute_dtype, ("auto", "bf16", "fp32"))
     _choice("train.compile", t.compile, ("auto", "on", "off"))
     _choice("train.fused_loss", t.fused_loss, ("auto", "on", "off"))

@@ -86,6 +86,9 @@ def all_formats(block_size: int = 256) -> Tuple[StateFormat, ...]:
     return tuple(sorted(combos, key=lambda f: -f.bytes_per_param()))
 
 
+GRAD_STREAM = 0x6772616400000000  # xor-ed into an update's seed to key the rounding of its bf16 gradient
+
+
 def update_seed(run_seed: int, unit: int, step: int) -> int:
     """The key of one unit's stochastic rounding at one Adam step: a function of the run's seed, the unit and the
     step only, so a run is reproducible and a resumed run rounds as the uninterrupted one would."""

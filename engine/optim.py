@@ -14,9 +14,12 @@ host RAM, on the GPU's compute stream for the leading units whose state the plan
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from engine.formats import update_seed
+from engine.kernels.adamw_update import adamw_update, layout_segments
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing
 
@@ -99,3 +102,47 @@ class FlatAdamW:
     def set_step_count(self, index: int, step: float) -> None:
         for p in self.params[index]:
             self.opts[index].state[p]["step"].fill_(step)
+
+
+class FormatAdamW:
+    """AdamW over units' flat state in a low-precision format (engine/formats.py), one fused launch per unit.
+
+    Master, m and v are flat buffers of the unit's layout in the format's dtypes (int8 moments with fp32 per-block
+    scales); the update is `engine.kernels.adamw_update` (on a CPU without the Triton interpreter, its torch
+    reference: the same bits), reading the clip coefficient and the learning rate as device tensors. Adam's step
+    count is kept per unit on the host; stochastic rounding is keyed by `formats.update_seed(seed, unit, step)`.
+    """
+
+    def __init__(self, layouts, fmt, t, seed: int, masters: Sequence[torch.Tensor]):
+        """`masters`: each unit's initial fp32 flat weights (on the device the state will live on), rounded to the
+        master format to nearest."""
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+        self.layouts, self.fmt, self.t, self.seed = layouts, fmt, t, seed
+        self.master = [w.to(dtypes[fmt.master]) for w in masters]
+        m_dtype = dtypes[fmt.moments]
+        v_dtype = torch.uint8 if fmt.moments == "int8" else m_dtype
+        self.m = [torch.zeros(w.numel(), dtype=m_dtype, device=w.device) for w in masters]
+        self.v = [torch.zeros(w.numel(), dtype=v_dtype, device=w.device) for w in masters]
+        self.scales = None
+        if fmt.moments == "int8":
+            self.scales = [tuple(torch.zeros(-(-w.numel() // fmt.block_size), dtype=torch.float32, device=w.device)
+                                 for _ in range(2)) for w in masters]
+        self.steps = [0] * len(masters)
+        self.segments = [layout_segments(lay, t.weight_decay) for lay in layouts]
+
+    def step_unit(self, index: int, grad_flat: torch.Tensor, lr: torch.Tensor, clip: torch.Tensor,
+                  weights_out: Optional[torch.Tensor] = None) -> None:
+        self.steps[index] += 1
+        scales = {}
+        if self.scales is not None:
+            scales = {"m_scales": self.scales[index][0], "v_scales": self.scales[index][1],
+                      "block_size": self.fmt.block_size}
+        adamw_update(self.master[index], self.m[index], self.v[index], grad_flat, lr=lr, clip=clip,
+                     step=self.steps[index], beta1=self.t.beta1, beta2=self.t.beta2, eps=self.t.eps,
+                     segments=self.segments[index], weights_out=weights_out,
+                     seed=update_seed(self.seed, index, self.steps[index]), **scales)
+
+    def nbytes(self) -> Dict[str, int]:
+        size = lambda ts: sum(x.numel() * x.element_size() for x in ts)  # noqa: E731
+        moments = size(self.m) + size(self.v) + (size(s for pair in self.scales for s in pair) if self.scales else 0)
+        return {"master": size(self.master), "moments": moments}

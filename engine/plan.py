@@ -1,11 +1,14 @@
 """The planner: where every byte of state lives, and how long a step should take, decided before allocating.
 
-Memory. For `engine=reference` everything sits on the compute device: fp32 master, gradient and two moments
-(16 B/param), one kept layer input per layer per micro-batch and one layer's working activations.
+Memory. Every state byte is counted in the run's formats (engine/formats.py: fp32 master + m + v is 12 B/param, a
+4 B/param gradient; bf16 master + int8 moments + bf16 gradient about 6). For `engine=reference` everything sits on
+the compute device: master, gradient and two moments, one kept layer input per layer per micro-batch and one layer's
+working activations.
 
 For `engine=stream` each unit is updated in one of three places (DESIGN.md §4), in forward order: the first
-`gpu_resident_units` keep fp32 master, m and v (12 B/param) in HBM; the next `gpu_streamed_units` keep them in host
-RAM (pinned) and are updated on the GPU as the next forward loads them; the rest are updated by the host AdamW. The
+`gpu_resident_units` keep master, m and v in HBM; the next `gpu_streamed_units` keep them in host RAM (pinned) and
+are updated on the GPU as the next forward loads them; the rest are updated by the host AdamW, which runs the exact
+fp32 formats only (any other format puts every unit in the first two places). The
 GPU holds the fixed working set: the H2D staging buffer, the embedding and head slots, a ring of `engine.slots`
 layer slots, accumulators for the embedding, the head and two layers, the residual stream (and its gradient) of
 every micro-batch, one layer's working activations (or the loss chunk's, the larger: they are live in different
@@ -19,7 +22,7 @@ spent in this order:
 4. every layer's compute-dtype weights from forward to backward (saves the backward's H2D);
 5. gradients anyway (saves 4 B/param of host RAM).
 Any `engine.*` placement set explicitly overrides `auto` / -1. A plan that does not fit raises PlanError with the
-table. The GPU figures are tensor memory (`allocated`, what `torch.cuda.max_memory_allocated` measures) plus a
+table and, where smaller state formats would fit, up to three of them (the most precise first) with their totals. The GPU figures are tensor memory (`allocated`, what `torch.cuda.max_memory_allocated` measures) plus a
 reserved margin for the allocator's fragmentation and the CUDA context that the budget keeps free.
 
 Time. `predict_stream` models one step from the calibrated figures of the hardware profile (bench/calibrate.py
@@ -37,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from engine.formats import StateFormat, all_formats
 from engine.metrics import model_flops_per_token
 from engine.model.attention import HAVE_FLASH_ATTN
 
@@ -58,6 +62,7 @@ class MemoryPlan:
     times_s: Dict[str, float] = field(default_factory=dict)
     binding: str = ""
     speeds: str = ""  # where the time model's figures come from
+    suggestions: List[str] = field(default_factory=list)  # smaller state formats that fit, for a refusal
 
     reserved: Dict[str, int] = field(default_factory=dict)  # bytes per tier held back, not allocated as tensors
 
@@ -90,8 +95,11 @@ class MemoryPlan:
         alternatives = "a smaller model or other hardware"
         if self.engine == "reference":
             alternatives += ", or engine=stream (state in host RAM)"
-        return (f"The plan needs {' and '.join(over)}. Try fewer tokens per step (train.micro_batch_size, "
+        text = (f"The plan needs {' and '.join(over)}. Try fewer tokens per step (train.micro_batch_size, "
                 f"train.grad_accum, train.seq_len), {alternatives}.")
+        if self.suggestions:
+            text += " Smaller training-state formats that fit (engine/formats.py):\n" + "\n".join(self.suggestions)
+        return text
 
     def table(self) -> str:
         lines = [f"memory plan (engine={self.engine})", f"{'tier':6} {'item':66} {'GiB':>10}"]
@@ -156,19 +164,44 @@ def loss_activation_bytes(spec, tokens: int, compute_bytes: int, fused: bool) ->
 
 
 def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: bool = True) -> MemoryPlan:
-    plan = _reference(spec, cfg, gpu_gib, host_gib, on_gpu) if cfg.engine.name == "reference" else \
-        _stream(spec, cfg, gpu_gib, host_gib, on_gpu)
+    fmt = StateFormat.of(cfg.train)
+    plan = _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt) if cfg.engine.name == "reference" else \
+        _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt)
+    if plan.problem():
+        plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, on_gpu, fmt)
     if check and plan.problem():
         raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
     return plan
 
 
+def formats_that_fit(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, current: StateFormat,
+                     limit: int = 3) -> List[str]:
+    """For a refusal: up to `limit` smaller state formats with which the streaming engine's plan fits (the most
+    precise first), each with its host and GPU totals; the rest of the config is kept."""
+    found = []
+    for fmt in all_formats(current.block_size):
+        if fmt.bytes_per_param() >= current.bytes_per_param():
+            continue
+        try:
+            plan = _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt)
+        except PlanError:  # the config fixes a placement this format cannot take
+            continue
+        if not plan.problem():
+            engine = "engine=stream " if cfg.engine.name != "stream" else ""
+            found.append(f"model={cfg.model.name}: fits with {engine}{fmt.overrides()}: "
+                         f"host {plan.total('host') / GIB:.1f} GiB, GPU {plan.total('gpu') / GIB:.1f} GiB")
+            if len(found) == limit:
+                break
+    return found
+
+
 class _Shape:
     """The numbers both the memory and the time model need."""
 
-    def __init__(self, spec, cfg, on_gpu: bool):
+    def __init__(self, spec, cfg, on_gpu: bool, fmt: StateFormat):
         t = cfg.train
         self.spec = spec
+        self.fmt = fmt
         self.compute_bytes = 2 if on_gpu and t.compute_dtype != "fp32" else 4
         self.mb_tokens = t.micro_batch_size * t.seq_len
         self.step_tokens = self.mb_tokens * t.grad_accum
@@ -201,8 +234,9 @@ class _Shape:
         return sum(self.slot_bytes(self.layouts[u]) for u in range(1, min(n_res, self.L + 1)))
 
     def own_accumulator_bytes(self, n_gpu_updated: int) -> int:
-        """The fp32 accumulators of their own that the GPU-updated layers take when gradients go to the host."""
-        return 4 * sum(self.layouts[u].numel for u in range(1, min(n_gpu_updated, self.L + 1)))
+        """The gradients of their own that the GPU-updated layers hold on the GPU when gradients go to the host (fp32:
+        the accumulator itself; bf16: the rounded copy, the accumulator being one of the shared ones)."""
+        return self.fmt.grad_bytes(sum(self.layouts[u].numel for u in range(1, min(n_gpu_updated, self.L + 1))))
 
     def staging_bytes(self, n_res: int, n_str: int) -> int:
         """The GPU staging buffers of the streamed units' state (engine/streaming/streamed_update.py)."""
@@ -210,18 +244,21 @@ class _Shape:
 
         if not n_str:
             return 0
-        return min(N_STAGES, n_str) * 12 * max(lay.numel for lay in self.layouts[n_res:n_res + n_str])
+        return min(N_STAGES, n_str) * self.fmt.state_bytes(max(lay.numel for lay in self.layouts[n_res:n_res + n_str]))
 
 
-def _reference(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
+def _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPlan:
     t, hw = cfg.train, cfg.hardware
-    s = _Shape(spec, cfg, on_gpu)
+    s = _Shape(spec, cfg, on_gpu, fmt)
     n = spec.num_params()
     tier = "gpu" if on_gpu else "host"
     plan = MemoryPlan(engine="reference", limits_gib={"gpu": gpu_gib if on_gpu else 0.0, "host": host_gib})
-    plan.add(tier, "fp32 master weights", 4 * n)
+    plan.add(tier, f"{fmt.master} master weights", fmt.master_bytes(n))
     plan.add(tier, "fp32 gradients", 4 * n)
-    plan.add(tier, "fp32 Adam m + v", 8 * n)
+    plan.add(tier, f"{fmt.moments} Adam m + v", fmt.moments_bytes(n))
+    if not fmt.exact:
+        plan.add(tier, "fp32 weights the forward reads, the gathered fp32 gradient (+ its bf16 copy)",
+                 8 * n + (fmt.grad_bytes(n) if fmt.grad != "fp32" else 0))
     plan.add(tier, "layer-input activations (one micro-batch)",
              (s.L if t.activation_checkpointing else 0) * 4 * s.h * s.mb_tokens)
     plan.add(tier, "working activations (one layer, or the loss chunk)",
@@ -234,7 +271,7 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
         recompute = 1 if t.activation_checkpointing else 0
         plan.times_s = {"forward": s.L * s.layer_fwd_flops / sp.fwd, "head": s.head_flops / sp.head,
                         "backward": s.L * (2 + recompute) * s.layer_fwd_flops / sp.bwd,
-                        "optimizer": 28 * n / HBM_ADAMW_BYTES_PER_S}
+                        "optimizer": fmt.update_hbm_bytes(n) / HBM_ADAMW_BYTES_PER_S}
         plan.times_s["step"] = sum(plan.times_s.values()) + STEP_OVERHEAD_S
         plan.binding = "GPU compute"
         plan.speeds = sp.describe(hw)
@@ -308,11 +345,11 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
         if place[u] == "streamed":
             if u - 2 >= n_res:
                 start = max(start, d2h_end[u - 2])
-            h2d_t = 12 * numel[u] / link_each
+            h2d_t = s.fmt.state_bytes(numel[u]) / link_each
         else:
-            h2d_t = 0.0 if place[u] == "resident" else 4 * numel[u] / sp.h2d
+            h2d_t = 0.0 if place[u] == "resident" else s.fmt.master_bytes(numel[u]) / sp.h2d
         h2d_end[u] = h2d_prev = start + h2d_t
-        d2h_t = (12 * numel[u] / link_each if place[u] == "streamed" else 0.0) + \
+        d2h_t = (s.fmt.state_bytes(numel[u]) / link_each if place[u] == "streamed" else 0.0) + \
             (layer_input_bytes / sp.d2h if activations_host and 1 <= u < first_kept else 0.0)
         d2h_end[u] = d2h_prev = max(d2h_prev, h2d_end[u]) + d2h_t
         h2d_busy += h2d_t
@@ -325,13 +362,13 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     backward = 0.0
     for u in range(1, s.L + 1):
         kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
-        reload = 0.0 if cached or kept or place[u] == "resident" else 4 * numel[u] / sp.h2d
-        grad_out = 4 * numel[u] / sp.d2h if grads_host and place[u] == "host" else 0.0
+        reload = 0.0 if cached or kept or place[u] == "resident" else s.fmt.master_bytes(numel[u]) / sp.h2d
+        grad_out = s.fmt.grad_bytes(numel[u]) / sp.d2h if grads_host and place[u] == "host" else 0.0
         act_in = layer_input_bytes / sp.h2d if activations_host and not kept else 0.0
         backward += max((2 if kept else 3) * s.layer_fwd_flops / sp.bwd, reload + act_in, grad_out)
         h2d_busy += reload + act_in
         d2h_busy += grad_out
-    resident_adam = sum(numel[:n_res]) * 28 / HBM_ADAMW_BYTES_PER_S
+    resident_adam = s.fmt.update_hbm_bytes(sum(numel[:n_res])) / HBM_ADAMW_BYTES_PER_S
     host_total = sum(n for n, p in zip(numel, place) if p == "host") / sp.adam_pcie
     times = {"forward": t_fwd, "forward_compute": sum(compute), "forward_h2d": fwd_h2d, "forward_d2h": fwd_d2h,
              "head": head, "backward": backward, "gpu_resident_adamw": resident_adam, "host_adamw": host_total,
@@ -393,7 +430,7 @@ def _placements(s: _Shape, e, n_kept: int, splits, fixed_split: bool, nbytes: Di
 def _split_bytes(s: _Shape, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:
     """GPU bytes the update places take beyond the fixed working set: resident state (+ the resident layers' own
     slots and accumulators), streamed staging (+ the streamed layers' accumulators)."""
-    nbytes = sum(12 * lay.numel for lay in s.layouts[:n_res]) + s.staging_bytes(n_res, n_str)
+    nbytes = sum(s.fmt.state_bytes(lay.numel) for lay in s.layouts[:n_res]) + s.staging_bytes(n_res, n_str)
     if not grads_on_gpu:
         nbytes += s.own_accumulator_bytes(n_res + n_str)
     if not cached:
@@ -417,9 +454,9 @@ def choose_split(s: _Shape, sp: Speeds, candidates: List[Tuple[dict, float]]) ->
     return chosen[3], chosen[4]
 
 
-def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
+def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPlan:
     e, hw = cfg.engine, cfg.hardware
-    s = _Shape(spec, cfg, on_gpu)
+    s = _Shape(spec, cfg, on_gpu, fmt)
     sp = Speeds(hw, runs_compiled(cfg, on_gpu))
     layouts, L = s.layouts, s.L
     compute_tier = "gpu" if on_gpu else "host"
@@ -428,10 +465,13 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
 
     ring_bytes = min(e.slots, L) * (s.compute_bytes * s.layer_cast + 4 * (s.layer_numel - s.layer_cast))
     side_grad_bytes = 4 * (layouts[0].numel + layouts[-1].numel + min(2, L) * s.layer_numel)
-    grad_bytes = 4 * sum(lay.numel for lay in layouts)
+    # held gradients of every unit on the GPU: fp32 ones are the accumulators themselves; bf16 ones are rounded
+    # copies, the shared accumulators (side_grad_bytes) staying as the working set
+    grad_bytes = fmt.grad_bytes(sum(lay.numel for lay in layouts)) + (0 if fmt.grad == "fp32" else side_grad_bytes)
     cache_bytes = sum(s.slot_bytes(lay) for lay in layouts[1:-1])
     margin_gib = 2.0 + 0.05 * gpu_gib if on_gpu else 0.0
-    state_bytes = [12 * lay.numel for lay in layouts]  # fp32 master + m + v
+    state_bytes = [fmt.state_bytes(lay.numel) for lay in layouts]  # master + m + v in their formats
+    state_name = f"{fmt.master} master, {fmt.moments} Adam m + v"
 
     def fixed_rows(n_kept: int) -> List[Tuple[str, int]]:
         return [
@@ -454,26 +494,26 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
         n_host = len(layouts) - n_res - n_str
         grads_on_gpu = placement["grads_tier"] == "gpu"
         cached = placement["cache_weights"] == "on"
-        plan.add("host", f"fp32 master, Adam m + v: {n_str} GPU-streamed + {n_host} host-updated units",
+        plan.add("host", f"{state_name}: {n_str} GPU-streamed + {n_host} host-updated units",
                  sum(state_bytes[n_res:]))
         for item, nbytes in fixed_rows(n_kept):
             plan.add(compute_tier, item, nbytes)
         if n_res:
-            plan.add(compute_tier, f"fp32 master, Adam m + v: {n_res} leading units resident and updated on the GPU",
+            plan.add(compute_tier, f"{state_name}: {n_res} leading units resident, updated on the GPU",
                      sum(state_bytes[:n_res]))
         if n_str:
-            plan.add(compute_tier, f"staging for GPU-streamed updates (12 B x largest of {n_str} units, 2 buffers)",
+            plan.add(compute_tier, f"staging for GPU-streamed updates (state of the largest of {n_str} units, x2)",
                      s.staging_bytes(n_res, n_str))
         plan.add(compute_tier if placement["activation_tier"] == "gpu" else "host",
                  "layer-input activations (all micro-batches)", activation_bytes(n_kept))
         if grads_on_gpu:
-            plan.add(compute_tier, "fp32 gradients of every unit until the norm is known", grad_bytes)
+            plan.add(compute_tier, f"{fmt.grad} gradients of every unit until the norm is known", grad_bytes)
             plan.add("host", "pinned gradient staging (2 x largest unit)",
-                     2 * 4 * max((lay.numel for lay in layouts[n_res:]), default=0))
+                     2 * fmt.grad_bytes(max((lay.numel for lay in layouts[n_res:]), default=0)))
         else:
-            plan.add("host", "fp32 gradients of host-updated units until the global norm is known",
-                     4 * sum(lay.numel for lay in layouts[n_res + n_str:]))
-            plan.add(compute_tier, "fp32 accumulators: embedding, head, 2 layers, GPU-updated layers",
+            plan.add("host", f"{fmt.grad} gradients of host-updated units until the global norm is known",
+                     fmt.grad_bytes(sum(lay.numel for lay in layouts[n_res + n_str:])))
+            plan.add(compute_tier, f"accumulators: embedding, head, 2 layers (fp32); GPU-updated layers ({fmt.grad})",
                      side_grad_bytes + s.own_accumulator_bytes(n_res + n_str))
         if cached:
             plan.add(compute_tier, "layer slots: one per layer (weights cached fwd -> bwd)", cache_bytes)
@@ -487,6 +527,20 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
                      int(hw.host_process_gib * GIB))
         return plan
 
+    n_units = len(layouts)
+    # the host AdamW updates fp32 state only: a low-precision format puts every unit on the GPU for its update
+    gpu_updated_only = not fmt.exact
+    if gpu_updated_only and e.gpu_resident_units >= 0 and e.gpu_streamed_units >= 0 \
+            and e.gpu_resident_units + e.gpu_streamed_units < n_units:
+        raise PlanError(f"{fmt.overrides()} is updated on the GPU only (the host AdamW runs fp32 state), but "
+                        f"engine.gpu_resident_units={e.gpu_resident_units} + engine.gpu_streamed_units="
+                        f"{e.gpu_streamed_units} leave {n_units - e.gpu_resident_units - e.gpu_streamed_units} of "
+                        f"the {n_units} units (embedding, {L} layers, head) to it; make them add up to {n_units}, "
+                        "or leave one of them at -1 (auto)")
+
+    def streamed_default(n_res: int) -> int:
+        return e.gpu_streamed_units if e.gpu_streamed_units >= 0 else (n_units - n_res if gpu_updated_only else 0)
+
     if not on_gpu:  # one memory: explicit choices are honoured so CPU runs exercise every code path
         placement: Dict[str, object] = {
             "slots": min(e.slots, L), "keep_activation_layers": max(0, e.keep_activation_layers),
@@ -494,16 +548,16 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu) -> MemoryPlan:
             "grads_tier": "gpu" if e.grads_tier == "gpu" else "host",
             "cache_weights": "on" if e.cache_weights == "on" else "off",
             "gpu_resident_units": max(0, e.gpu_resident_units),
-            "gpu_streamed_units": max(0, e.gpu_streamed_units)}
+            "gpu_streamed_units": streamed_default(max(0, e.gpu_resident_units))}
     else:
-        n_units = len(layouts)
         splits = [(r, t) for r in ([min(e.gpu_resident_units, n_units)] if e.gpu_resident_units >= 0
                                    else range(n_units + 1))
                   for t in ([min(e.gpu_streamed_units, n_units - r)] if e.gpu_streamed_units >= 0
-                            else range(n_units - r + 1))]
+                            else range(n_units - r + 1))
+                  if not gpu_updated_only or r + t == n_units]
         kept_choices = [e.keep_activation_layers] if e.keep_activation_layers >= 0 else range(L + 1)
         if not sp.known:  # no speeds to choose by: what the config fixes, else every update on the host
-            splits = [(max(0, e.gpu_resident_units), max(0, e.gpu_streamed_units))]
+            splits = [(max(0, e.gpu_resident_units), streamed_default(max(0, e.gpu_resident_units)))]
             kept_choices = [max(0, e.keep_activation_layers)]
         fixed_split = e.gpu_resident_units >= 0 and e.gpu_streamed_units >= 0
         candidates, fallback = [], None

@@ -5,6 +5,12 @@ every parameter is its own fp32 `nn.Parameter` (16 B/param with gradient and mom
 autocast on CUDA (fp32 on CPU), each decoder layer is activation-checkpointed, micro-batch gradients accumulate in
 `.grad`, then global-norm clipping and torch.optim.AdamW(fused=True). It uses the same layer templates, init, norm
 and clipping helpers as the streaming engine, so the two differ only in where state lives and when work happens.
+
+With a low-precision state format (engine/formats.py) it is the plain-PyTorch run of that format: each unit's
+parameters are views of one fp32 flat buffer holding the master's values, the unit's master and moments live in the
+format (`optim.FormatAdamW`), and after each update the fresh master is upcast into the flat buffer (exact: bf16
+values are fp32 values). Per unit and step: one gather of the gradients into a flat fp32 buffer, one fused update,
+one upcast; with bf16 gradients, one stochastic rounding of the gathered gradient before the norm. Training-state checkpoints of these formats are not written yet (the trainer refuses to arm them).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from engine import optim
 from engine.device import autocast_ctx
+from engine.formats import GRAD_STREAM, StateFormat, update_seed
+from engine.kernels.grad_accum import to_bf16_stochastic
 from engine.model import ModelSpec
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
@@ -27,19 +35,34 @@ class ReferenceEngine:
 
     def __init__(self, spec: ModelSpec, cfg, device: torch.device, compute_dtype: torch.dtype):
         self.spec, self.t, self.device, self.compute_dtype = spec, cfg.train, device, compute_dtype
+        self.fmt = StateFormat.of(cfg.train)
         self.params: List[Dict[str, torch.nn.Parameter]] = []
         decay, no_decay = [], []
+        self.flat: List[torch.Tensor] = []  # low-precision formats: each unit's weights, fp32, one buffer
         for unit in spec.units:
-            host = {s.name: torch.empty(s.shape, dtype=torch.float32) for s in unit.layout.specs}
-            spec.init_unit(unit, host, cfg.seed)
-            params = {}
+            if self.fmt.exact:
+                host = {s.name: torch.empty(s.shape, dtype=torch.float32) for s in unit.layout.specs}
+                spec.init_unit(unit, host, cfg.seed)
+                params = {name: torch.nn.Parameter(t.to(device)) for name, t in host.items()}
+            else:
+                host_flat = torch.zeros(unit.layout.numel, dtype=torch.float32)
+                spec.init_unit(unit, unit.layout.views(host_flat), cfg.seed)
+                self.flat.append(host_flat.to(device))
+                params = {name: torch.nn.Parameter(view) for name, view in unit.layout.views(self.flat[-1]).items()}
             for s in unit.layout.specs:
-                p = torch.nn.Parameter(host[s.name].to(device))
-                params[s.name] = p
-                (decay if s.decay else no_decay).append(p)
+                (decay if s.decay else no_decay).append(params[s.name])
             self.params.append(params)
         self.ordered = [p for unit in self.params for p in unit.values()]
-        self.opt = optim.make_adamw(decay, no_decay, self.t)
+        if self.fmt.exact:
+            self.opt = optim.make_adamw(decay, no_decay, self.t)
+        else:
+            self.opt = optim.FormatAdamW([u.layout for u in spec.units], self.fmt, self.t, cfg.seed, self.flat)
+            for flat, master in zip(self.flat, self.opt.master):
+                flat.copy_(master)  # the model computes with the master's values
+            self.grad_flat = [torch.zeros_like(f) for f in self.flat]
+            self.grad_held = self.grad_flat if self.fmt.grad == "fp32" else \
+                [torch.zeros_like(f, dtype=torch.bfloat16) for f in self.flat]
+            self.seed = cfg.seed
         self.rope = None
         self.skipped_steps = 0
 
@@ -77,20 +100,47 @@ class ReferenceEngine:
         if grad_hook is not None:
             for unit, params in zip(self.spec.units, self.params):
                 grad_hook(unit.index, {name: p.grad for name, p in params.items()})
-        grads = [p.grad for p in self.ordered]
+        grads = [p.grad for p in self.ordered] if self.fmt.exact else self._held_grads()
         total_norm = optim.global_norm(optim.tensor_norms(grads))
         skipped = not bool(torch.isfinite(total_norm))
         if skipped:
             self.skipped_steps += 1
-        else:
+        elif self.fmt.exact:
             coef = optim.clip_coefficient(total_norm, self.t.max_grad_norm)
             torch._foreach_mul_(grads, coef)
             optim.set_lr(self.opt, lr)
             self.opt.step()
-        self.opt.zero_grad(set_to_none=True)  # frees 4 B/param between steps (validation runs there)
+        else:
+            self._format_step(optim.clip_coefficient(total_norm, self.t.max_grad_norm), lr)
+        for p in self.ordered:
+            p.grad = None  # frees 4 B/param between steps (validation runs there)
         loss_value = float(loss_total)
         return {"loss": loss_value, "grad_norm": float(total_norm), "skipped": skipped,
                 "skipped_steps": self.skipped_steps, "tokens": n_tokens, "step_s": time.perf_counter() - t0}
+
+    @torch.no_grad()
+    def _held_grads(self) -> List[torch.Tensor]:
+        """Low-precision formats: each unit's gradient gathered into its flat buffer and held in the gradient
+        format (bf16: stochastically rounded, keyed by the step that will read it); per-tensor views of the held
+        buffers, in the canonical order, for the norm."""
+        views = []
+        for unit, params in zip(self.spec.units, self.params):
+            u = unit.index
+            flat_views = unit.layout.views(self.grad_flat[u])
+            for name, p in params.items():
+                flat_views[name].copy_(p.grad)
+            if self.fmt.grad == "bf16":
+                to_bf16_stochastic(self.grad_flat[u], self.grad_held[u],
+                                   update_seed(self.seed, u, self.opt.steps[u] + 1) ^ GRAD_STREAM)
+            views += list(unit.layout.views(self.grad_held[u]).values())
+        return views
+
+    @torch.no_grad()
+    def _format_step(self, coef: torch.Tensor, lr: float) -> None:
+        lr_t = torch.tensor(lr, dtype=torch.float32, device=self.device)
+        for unit in self.spec.units:
+            self.opt.step_unit(unit.index, self.grad_held[unit.index], lr_t, coef)
+            self.flat[unit.index].copy_(self.opt.master[unit.index])
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[Batch]) -> float:
@@ -107,6 +157,9 @@ class ReferenceEngine:
                 for u, ps in zip(self.spec.units, self.params) for name, p in ps.items()}
 
     def adam_moments(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+        if not self.fmt.exact:
+            raise NotImplementedError(f"{self.fmt.overrides()}: moments by tensor name exist for the fp32 formats "
+                                      "only (int8 blocks span tensors); read engine.opt.m / .v")
         out = {}
         for u, ps in zip(self.spec.units, self.params):
             for name, p in ps.items():
@@ -118,6 +171,9 @@ class ReferenceEngine:
     def unit_state(self, index: int) -> dict:
         """One unit's training state by name (live tensors on the engine's device, not copies): fp32 master
         weights, Adam moments (empty before the first update) and Adam's step count."""
+        if not self.fmt.exact:
+            raise NotImplementedError(f"{self.fmt.overrides()}: training-state checkpoints of low-precision formats "
+                                      "are not written yet")
         params = self.params[index]
         state = {"master": {n: p.detach() for n, p in params.items()}, "exp_avg": {}, "exp_avg_sq": {}, "step": 0.0}
         for name, p in params.items():
@@ -131,6 +187,9 @@ class ReferenceEngine:
     def load_unit_state(self, index: int, master: Dict[str, torch.Tensor], exp_avg=None, exp_avg_sq=None,
                         step: float = 0.0) -> None:
         """Copy a unit's state in (names and shapes as in `unit_state`); moments are optional (HF import)."""
+        if not self.fmt.exact:
+            raise NotImplementedError(f"{self.fmt.overrides()}: loading state into low-precision formats (resume, "
+                                      "HF import) is not implemented yet")
         for name, p in self.params[index].items():
             p.copy_(master[name])
             if exp_avg is not None:
@@ -141,7 +200,11 @@ class ReferenceEngine:
     def memory_bytes(self) -> Dict[str, int]:
         n = sum(p.numel() for p in self.ordered)
         tier = "gpu" if self.device.type == "cuda" else "host"
-        return {f"{tier}_master": 4 * n, f"{tier}_grads": 4 * n, f"{tier}_moments": 8 * n}
+        if self.fmt.exact:
+            return {f"{tier}_master": 4 * n, f"{tier}_grads": 4 * n, f"{tier}_moments": 8 * n}
+        state = self.opt.nbytes()
+        return {f"{tier}_master": state["master"], f"{tier}_weights_fp32": 4 * n, f"{tier}_grads": 8 * n,
+                f"{tier}_moments": state["moments"]}
 
     def close(self) -> None:
         pass

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ from engine.checkpoint import CheckpointError
 from engine.config import ConfigError, to_plain, validate
 from engine.data import DataError, build_data
 from engine.device import resolve_compute_dtype, resolve_device
+from engine.formats import StateFormat
 from engine.metrics import MetricsLogger
 from engine.model import ModelSpec
 from engine.plan import PlanError, build_plan, fused_loss_on, runs_compiled
@@ -122,6 +124,9 @@ class Trainer:
         gpu_gib = hardware.apply_gpu_cap(cfg.hardware, self.device) if self.device.type == "cuda" else 0.0
         host_gib = cfg.hardware.host_mem_gib or host_mem_total_gib()
         self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, self.device.type == "cuda")
+        self.fmt = StateFormat.of(t)
+        if not self.fmt.exact and not cfg.plan:
+            _refuse_unbuilt_format_uses(cfg, self.fmt)
         with _refusals_named(f"data={cfg.data.name}" + (f" data.path={cfg.data.path}" if cfg.data.path else "")):
             self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size)
         self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else self.run_dir / "checkpoints"
@@ -183,9 +188,14 @@ class Trainer:
         n = min(t.val_batches, max(1, self.data.num_sequences("val") // t.micro_batch_size))
         return self.engine.eval_loss([self.data.batch("val", i, t.micro_batch_size) for i in range(n)])
 
-    def _save(self, step: int, pending_tokens: int = 0) -> Path:
-        """Save the full training state after `step` optimizer steps (a no-op if that checkpoint exists)."""
+    def _save(self, step: int, pending_tokens: int = 0) -> Optional[Path]:
+        """Save the full training state after `step` optimizer steps (a no-op if that checkpoint exists). None, with
+        a line saying so, for a low-precision format (not checkpointed yet; the run was told at its start)."""
         t = self.cfg.train
+        if not self.fmt.exact:
+            self.log(f"no checkpoint of step {step}: training-state checkpoints of {self.fmt.overrides()} are not "
+                     "written yet")
+            return None
         state = {
             "data_position": {"next_step": step, "train_batches_consumed": step * t.grad_accum,
                               "micro_batch_size": t.micro_batch_size, "data_fingerprint": self.data.fingerprint},
@@ -248,7 +258,8 @@ class Trainer:
                         raise TrainingDiverged(
                             f"steps {step - n + 1}..{step}: {n} consecutive steps had a non-finite loss or gradient "
                             f"and were skipped (train.max_consecutive_skips={t.max_consecutive_skips}); stopped. "
-                            f"The weights are still those after step {step - n}; they are saved in {path}. Lower "
+                            f"The weights are still those after step {step - n}; they are saved in "
+                            f"{path or 'no checkpoint (see above)'}. Lower "
                             "train.lr or check the data before going on")
                     if step == t.steps or (t.val_every and step % t.val_every == 0):
                         self.metrics.log_val(step, self._validate())
@@ -262,7 +273,7 @@ class Trainer:
                 if stopped is not None or t.checkpoint_every:
                     path = self._save(step, span_tokens)
                     if stopped is not None:
-                        stopped.update(step=step, checkpoint=str(path))
+                        stopped.update(step=step, checkpoint=str(path) if path else None)
                         self.log(f"stopped at step {step} ({stopped['reason']}); resume with train.resume=auto "
                                  f"hydra.run.dir={self.run_dir}")
                 if stopped is None and t.export_hf:
@@ -281,6 +292,23 @@ class Trainer:
                          + (", checkpoints/)" if self.ckpt_root.is_dir() else ")"))
                 self.log.close()
         return summary
+
+
+def _refuse_unbuilt_format_uses(cfg: DictConfig, fmt: StateFormat) -> None:
+    """What a low-precision state format cannot do yet, refused before anything is allocated."""
+    t = cfg.train
+    if cfg.engine.name == "stream":
+        raise ConfigError(f"engine=stream {fmt.overrides()}: the streaming engine runs the fp32 formats only so far "
+                          "(the planner and the fused update kernel know every format; engine=reference trains "
+                          "them). Use engine=reference, the fp32 formats, or plan=true to see this format's plan")
+    unbuilt = {"train.checkpoint_every": t.checkpoint_every > 0, "train.stop_at": t.stop_at > 0,
+               "train.resume": t.resume != "none", "train.export_hf": t.export_hf,
+               "model.init": checkpoint.hf_dir_of(cfg.model.init) is not None}
+    asked = [key for key, on in unbuilt.items() if on]
+    if asked:
+        raise ConfigError(f"{', '.join(asked)} with {fmt.overrides()}: training-state checkpoints, resume, HF "
+                          "import and export of low-precision formats are not implemented yet; train without them "
+                          "or with the fp32 formats")
 
 
 @contextlib.contextmanager

@@ -145,7 +145,7 @@ def test_plan_prints_bytes_per_tier_without_training():
     out = subprocess.run([sys.executable, "train.py", "logger=none", "model=qwen7b", "engine=stream", "plan=true",
                           "hardware=h200"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "fp32 master, Adam m + v" in out.stdout and "host" in out.stdout and "predicted step" in out.stdout
+    assert "fp32 master, fp32 Adam m + v" in out.stdout and "host" in out.stdout and "predicted step" in out.stdout
     assert "step 1/" not in out.stdout
 
 

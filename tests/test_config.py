@@ -75,7 +75,8 @@ def test_group_files_do_not_repeat_schema_defaults(group):
 
 def test_removed_and_renamed_fields_are_gone_from_the_files():
     text = "\n".join(p.read_text() for p in (ROOT / "conf").rglob("*.yaml"))
-    for key in ("hf_repo:", "architectures:", "checkpoint_tier:", "achieved_tflops:", "device_optimizer_units"):
+    for key in ("hf_repo:", "architectures:", "checkpoint_tier:", "achieved_tflops:", "device_optimizer_units",
+                "precision:"):
         assert key not in text
 
 
@@ -149,7 +150,11 @@ BAD = {
     "train.beta2": ["train.beta2=1", "train.beta2=inf"],
     "train.eps": ["train.eps=0", "train.eps=nan", "train.eps=-1e-8"],
     "train.max_grad_norm": ["train.max_grad_norm=-1", "train.max_grad_norm=nan", "train.max_grad_norm=inf"],
-    "train.precision": ["train.precision=fp8"],
+    "train.master_dtype": ["train.master_dtype=fp16"],
+    "train.moments_dtype": ["train.moments_dtype=int4"],
+    "train.grad_dtype": ["train.grad_dtype=int8"],
+    "train.moments_block_size": ["train.moments_block_size=0", "train.moments_block_size=100",
+                                 "train.moments_block_size=32768"],
     "train.compute_dtype": ["train.compute_dtype=fp16"],
     "train.activation_checkpointing": ["train.activation_checkpointing=maybe",
                                        "train.activation_checkpointing=false engine=stream"],
@@ -319,7 +324,8 @@ def test_conf_dir_is_the_repository_conf_in_a_checkout():
 
 
 @pytest.mark.parametrize("override, new", [("engine.device_optimizer_units=3", "engine.gpu_resident_units"),
-                                           ("hardware.achieved_tflops=480", "bench/calibrate.py")])
+                                           ("hardware.achieved_tflops=480", "bench/calibrate.py"),
+                                           ("train.precision=fp32_master", "train.master_dtype")])
 def test_keys_renamed_by_performance_ii_point_to_their_successors(override, new):
     message = refusal([override])
     assert message.startswith(f"{override.split('=')[0]} was renamed") and new in message

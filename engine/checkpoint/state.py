@@ -77,7 +77,8 @@ MODEL_FINGERPRINT = ("model_type", "hidden_size", "intermediate_size", "num_hidd
                      "num_key_value_heads", "vocab_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
                      "qkv_bias", "qk_norm", "hidden_act")
 TRAIN_FINGERPRINT = ("steps", "seq_len", "micro_batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps",
-                     "weight_decay", "beta1", "beta2", "eps", "max_grad_norm", "precision")
+                     "weight_decay", "beta1", "beta2", "eps", "max_grad_norm", "master_dtype", "moments_dtype",
+                     "grad_dtype", "moments_block_size")
 
 
 def run_fingerprint(cfg, data_fingerprint: str) -> dict:
@@ -90,6 +91,16 @@ def run_fingerprint(cfg, data_fingerprint: str) -> dict:
     model["rope_scaling"] = norm_rope_scaling(m.rope_scaling)
     return {"model": model, "train": {k: plain(t[k]) for k in TRAIN_FINGERPRINT}, "seed": cfg.seed,
             "data": {"name": cfg.data.name, "fingerprint": data_fingerprint, "val_fraction": cfg.data.val_fraction}}
+
+
+def _current_keys(saved: dict) -> dict:
+    """A fingerprint saved before the state formats existed (`train.precision=fp32_master`) in today's keys."""
+    train = saved.get("train")
+    if not isinstance(train, dict) or train.get("precision") != "fp32_master":
+        return saved
+    train = {k: v for k, v in train.items() if k != "precision"}
+    train.update(master_dtype="fp32", moments_dtype="fp32", grad_dtype="fp32", moments_block_size=256)
+    return {**saved, "train": train}
 
 
 def fingerprint_differences(saved: dict, current: dict, prefix: str = "") -> List[Tuple[str, Any, Any]]:
@@ -322,7 +333,7 @@ def open_training_state(path: Path, spec=None, fingerprint: Optional[dict] = Non
         _check_listed(path, name, meta)
     state = read_json(path / TRAINER_STATE, "")
     if fingerprint is not None:
-        diffs = fingerprint_differences(state.get("fingerprint", {}), fingerprint)
+        diffs = fingerprint_differences(_current_keys(state.get("fingerprint", {})), fingerprint)
         if diffs:
             key, saved, now = diffs[0]
             more = "; also differ: " + ", ".join(d[0] for d in diffs[1:]) if len(diffs) > 1 else ""

@@ -1,0 +1,160 @@
+"""Training-state formats: bytes per parameter by format, and the planner's use of them (engine/formats.py)."""
+
+import pytest
+import torch
+
+from engine import optim
+
+from engine.formats import StateFormat, all_formats
+from engine.model import ModelSpec
+from engine.plan import GIB, PlanError, build_plan
+from tests.util import make_cfg
+
+
+def test_bytes_per_format():
+    n = 1000  # not a multiple of the block: the last block has its scales too
+    assert StateFormat().state_bytes(n) == 12 * n and StateFormat().grad_bytes(n) == 4 * n
+    assert StateFormat("bf16", "bf16", "bf16").state_bytes(n) == 6 * n
+    int8 = StateFormat("bf16", "int8", "bf16", block_size=256)
+    assert int8.moments_bytes(n) == 2 * n + 2 * 4 * 4
+    assert int8.state_bytes(n) == 2 * n + int8.moments_bytes(n) and int8.grad_bytes(n) == 2 * n
+    assert StateFormat().exact and not int8.exact
+    assert StateFormat().update_hbm_bytes(n) == 28 * n  # torch's fused AdamW writes no bf16 weights
+    assert int8.update_hbm_bytes(n) == 2 * int8.state_bytes(n) + 2 * n + 2 * n
+
+
+def test_every_format_is_listed_once_the_most_precise_first():
+    formats = all_formats(128)
+    assert len(set(formats)) == 2 * 3 * 2 and formats[0] == StateFormat(block_size=128)
+    sizes = [f.bytes_per_param() for f in formats]
+    assert sizes == sorted(sizes, reverse=True)
+    assert formats[-1] == StateFormat("bf16", "int8", "bf16", 128)
+
+
+def _plan(overrides, model="qwen7b", check=False, on_gpu=True):
+    cfg = make_cfg([f"model={model}", "engine=stream", "hardware=h200", "train=throughput", "train.seq_len=4096",
+                    "plan=true", *overrides])
+    return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=on_gpu, check=check)
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_a_low_precision_format_puts_every_update_on_the_gpu(on_gpu):
+    plan = _plan(["train.micro_batch_size=2", "train.grad_accum=8", "train.master_dtype=bf16",
+                  "train.moments_dtype=bf16"], on_gpu=on_gpu)
+    p = plan.placement
+    assert p["gpu_resident_units"] + p["gpu_streamed_units"] == 30  # embedding, 28 layers, head
+    if on_gpu:
+        assert plan.times_s["host_adamw"] == 0.0
+
+
+def test_the_state_rows_are_the_formats_bytes():
+    """Halving the moments' bytes halves the moments' share of the state, wherever the planner put it."""
+    fp32, bf16 = (_plan(["train.micro_batch_size=2", "train.grad_accum=2", "engine.gpu_resident_units=0",
+                         "engine.gpu_streamed_units=30", f"train.moments_dtype={m}"]) for m in ("fp32", "bf16"))
+    n = ModelSpec(make_cfg(["model=qwen7b"]).model)
+    numel = sum(u.layout.numel for u in n.units)
+
+    def state(plan):
+        return sum(b for tier, item, b in plan.rows if "Adam m + v" in item)
+    assert state(fp32) == 12 * numel and state(bf16) == 8 * numel
+
+
+def test_a_fixed_split_that_leaves_units_to_the_host_adamw_is_refused():
+    with pytest.raises(PlanError, match=r"train.master_dtype=bf16 .* updated on the GPU only .*add up to 30"):
+        _plan(["train.micro_batch_size=2", "train.grad_accum=2", "train.master_dtype=bf16",
+               "engine.gpu_resident_units=4", "engine.gpu_streamed_units=20"])
+
+
+def test_qwen32b_is_refused_with_the_formats_that_fit():
+    """The default recipe needs ~400 GiB of host for qwen32b; the refusal names the formats with which the plan fits
+    the H200 box, with their totals, and those plans do fit."""
+    with pytest.raises(PlanError) as e:
+        _plan(["train.micro_batch_size=2", "train.grad_accum=2"], model="qwen32b", check=True)
+    message = str(e.value)
+    assert "fits with train.master_dtype=bf16 train.moments_dtype=int8 train.grad_dtype=bf16" in message
+    assert "train.master_dtype=fp32 train.moments_dtype=fp32" not in message.split("Smaller training-state")[1]
+    small = _plan(["train.micro_batch_size=2", "train.grad_accum=2", "train.master_dtype=bf16",
+                   "train.moments_dtype=int8", "train.grad_dtype=bf16"], model="qwen32b")
+    assert not small.problem() and small.total("host") <= 120 * GIB
+    assert f"host {small.total('host') / GIB:.1f} GiB, GPU {small.total('gpu') / GIB:.1f} GiB" in message
+
+
+def test_a_model_that_fits_in_no_format_says_only_why():
+    with pytest.raises(PlanError) as e:
+        _plan(["train.micro_batch_size=1", "train.grad_accum=1"], model="qwen72b", check=True)
+    assert "Smaller training-state formats" not in str(e.value)
+
+
+def _train_reference(overrides, steps, monkeypatch=None, kernel=True):
+    """engine=reference on the CPU, SMALL model; with kernel=False the fused update runs its torch reference
+    (engine/kernels/reference.py) instead of the Triton kernel under the interpreter."""
+    import engine.kernels.adamw_update as K
+    from tests.test_engine_equivalence import build
+
+    if not kernel:
+        monkeypatch.setattr(K, "uses_triton", lambda device: False)
+    cfg, eng, data = build("reference", ["train.grad_accum=2", *overrides])
+    t = cfg.train
+    losses = []
+    for step in range(steps):
+        batches = [data.batch("train", step * t.grad_accum + j, t.micro_batch_size) for j in range(t.grad_accum)]
+        losses.append(eng.train_step(batches, optim.lr_at(step, t))["loss"])
+    return losses, eng
+
+
+FORMATS = {"bf16": ["train.master_dtype=bf16", "train.moments_dtype=bf16", "train.grad_dtype=fp32"],
+           "int8": ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.moments_block_size=64",
+                    "train.grad_dtype=bf16"]}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_fused_kernel_trains_as_the_plain_torch_update(monkeypatch, name):
+    """engine=reference in a low-precision format, the Triton kernel (interpreter) against the plain-torch update
+    of engine/kernels/reference.py: the same losses and the same state, bit for bit, over three steps with
+    clipping active (the stochastic rounding keyed alike)."""
+    losses_k, eng_k = _train_reference(FORMATS[name], 3)
+    losses_t, eng_t = _train_reference(FORMATS[name], 3, monkeypatch, kernel=False)
+    assert losses_k == losses_t
+    for a, b in zip(eng_k.opt.master + eng_k.opt.m + eng_k.opt.v, eng_t.opt.master + eng_t.opt.m + eng_t.opt.v):
+        assert torch.equal(a, b)
+    assert eng_k.opt.master[1].dtype == torch.bfloat16
+    for flat, master in zip(eng_k.flat, eng_k.opt.master):
+        assert torch.equal(flat, master.float())  # the model computes with the master's values
+
+
+def test_low_precision_formats_learn_like_fp32(monkeypatch):
+    """Twelve steps of the plain-torch update: the loss falls in every format and stays near the fp32 run's."""
+    fp32, _ = _train_reference([], 12)
+    for name, over in FORMATS.items():
+        low, _ = _train_reference(over, 12, monkeypatch, kernel=False)
+        assert low[-1] < 0.9 * low[0], name
+        assert abs(low[-1] - fp32[-1]) < 0.05 * fp32[-1], (name, low[-1], fp32[-1])
+
+
+def test_what_low_precision_formats_cannot_do_yet_is_refused(tmp_path):
+    """Precision never changes silently: the streaming engine, checkpoints, resume and HF import/export of a
+    low-precision format are refused before anything is allocated; plan=true plans it."""
+    from engine.config import ConfigError
+    from engine.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"engine=stream train.master_dtype=fp32 train.moments_dtype=int8 .*fp32 "
+                                          r"formats only"):
+        Trainer(make_cfg(["engine=stream", "train.moments_dtype=int8"]), tmp_path / "stream")
+    with pytest.raises(ConfigError, match=r"^train.checkpoint_every, train.export_hf with .*not implemented yet"):
+        Trainer(make_cfg(["train.grad_dtype=bf16", "train.checkpoint_every=5", "train.export_hf=true"]),
+                tmp_path / "ckpt")
+    Trainer(make_cfg(["engine=stream", "train.moments_dtype=int8", "plan=true"]), tmp_path / "plan")
+
+
+def test_a_checkpoint_of_the_precision_key_resumes_as_the_fp32_formats():
+    from engine.checkpoint.state import _current_keys, fingerprint_differences, run_fingerprint
+
+    cfg = make_cfg([])
+    now = run_fingerprint(cfg, "data")
+    old_train = {k: v for k, v in now["train"].items()
+                 if k not in ("master_dtype", "moments_dtype", "grad_dtype", "moments_block_size")}
+    old = {**now, "train": {**old_train, "precision": "fp32_master"}}
+    assert fingerprint_differences(old, now)
+    assert fingerprint_differences(_current_keys(old), now) == []
+    bf16 = run_fingerprint(make_cfg(["train.master_dtype=bf16"]), "data")
+    assert [d[0] for d in fingerprint_differences(_current_keys(old), bf16)] == ["train.master_dtype"]
