@@ -101,14 +101,15 @@ def plot(rows_path: Path, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row in rows:
         if row.get("val_curve"):
-            steps, losses = zip(*row["val_curve"])
+            steps, losses = zip(*row["val_curve"][1:])  # from the first validation after step 0 (12 nats there)
             tokens_m = [s * row["tokens_per_step"] / 1e6 for s in steps]
-            ax.plot(tokens_m, losses, marker=".", label=f"{LABELS[row['format']]} (x{row['ratio_vs_fp32']:.4f} of fp32)")
+            ax.plot(tokens_m, losses, marker=".", label=f"{LABELS[row['format']]}: x{row['ratio_vs_fp32']:.4f} of "
+                                                        f"fp32 at step {row['compared_at_step']}")
     first = rows[0]
     ax.set_xlabel("tokens (M)")
     ax.set_ylabel("validation loss (nats/byte)")
     ax.set_title(f"state formats, {first['overrides'][0]}, {first['gpu']}, git {first['git_sha']}")
-    ax.legend()
+    ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120, bbox_inches="tight")
