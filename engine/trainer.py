@@ -126,7 +126,7 @@ class Trainer:
         self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, self.device.type == "cuda")
         self.fmt = StateFormat.of(t)
         if not self.fmt.exact and not cfg.plan:
-            _refuse_unbuilt_format_uses(cfg, self.fmt)
+            _refuse_unbuilt_format_uses(cfg, self.fmt, self.plan.placement, len(self.spec.units))
         with _refusals_named(f"data={cfg.data.name}" + (f" data.path={cfg.data.path}" if cfg.data.path else "")):
             self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size)
         self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else self.run_dir / "checkpoints"
@@ -294,13 +294,17 @@ class Trainer:
         return summary
 
 
-def _refuse_unbuilt_format_uses(cfg: DictConfig, fmt: StateFormat) -> None:
+def _refuse_unbuilt_format_uses(cfg: DictConfig, fmt: StateFormat, placement: dict, n_units: int) -> None:
     """What a low-precision state format cannot do yet, refused before anything is allocated."""
     t = cfg.train
-    if cfg.engine.name == "stream":
-        raise ConfigError(f"engine=stream {fmt.overrides()}: the streaming engine runs the fp32 formats only so far "
-                          "(the planner and the fused update kernel know every format; engine=reference trains "
-                          "them). Use engine=reference, the fp32 formats, or plan=true to see this format's plan")
+    resident = placement.get("gpu_resident_units", 0)
+    if cfg.engine.name == "stream" and (resident < n_units or fmt.grad != "fp32"):
+        raise ConfigError(
+            f"engine=stream {fmt.overrides()}: the streaming engine runs low-precision formats with every unit "
+            f"GPU-resident and fp32 gradients only so far; this plan keeps {resident} of {n_units} units resident"
+            f"{'' if fmt.grad == 'fp32' else ' and holds bf16 gradients'} (GPU-streamed units and bf16 gradients "
+            "are the next step). Use engine=reference, a placement with engine.gpu_resident_units="
+            f"{n_units} and train.grad_dtype=fp32 where it fits, or plan=true to see this format's plan")
     unbuilt = {"train.checkpoint_every": t.checkpoint_every > 0, "train.stop_at": t.stop_at > 0,
                "train.resume": t.resume != "none", "train.export_hf": t.export_hf,
                "model.init": checkpoint.hf_dir_of(cfg.model.init) is not None}

@@ -132,18 +132,56 @@ def test_low_precision_formats_learn_like_fp32(monkeypatch):
 
 
 def test_what_low_precision_formats_cannot_do_yet_is_refused(tmp_path):
-    """Precision never changes silently: the streaming engine, checkpoints, resume and HF import/export of a
-    low-precision format are refused before anything is allocated; plan=true plans it."""
+    """Precision never changes silently: GPU-streamed or host units and bf16 gradients in the streaming engine,
+    checkpoints, resume and HF import/export of a low-precision format are refused before anything is allocated;
+    plan=true plans it."""
     from engine.config import ConfigError
     from engine.trainer import Trainer
 
-    with pytest.raises(ConfigError, match=r"engine=stream train.master_dtype=fp32 train.moments_dtype=int8 .*fp32 "
-                                          r"formats only"):
-        Trainer(make_cfg(["engine=stream", "train.moments_dtype=int8"]), tmp_path / "stream")
+    with pytest.raises(ConfigError, match=r"engine=stream train.master_dtype=fp32 train.moments_dtype=int8 .*keeps 2 "
+                                          r"of 6 units resident"):
+        Trainer(make_cfg(["engine=stream", "train.moments_dtype=int8", "engine.gpu_resident_units=2"]),
+                tmp_path / "stream")
+    with pytest.raises(ConfigError, match=r"keeps 6 of 6 units resident and holds bf16 gradients"):
+        Trainer(make_cfg(["engine=stream", "train.grad_dtype=bf16", "engine.gpu_resident_units=6"]),
+                tmp_path / "grads")
     with pytest.raises(ConfigError, match=r"^train.checkpoint_every, train.export_hf with .*not implemented yet"):
         Trainer(make_cfg(["train.grad_dtype=bf16", "train.checkpoint_every=5", "train.export_hf=true"]),
                 tmp_path / "ckpt")
     Trainer(make_cfg(["engine=stream", "train.moments_dtype=int8", "plan=true"]), tmp_path / "plan")
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8-fp32-grads"])
+def test_the_streaming_engine_trains_a_format_as_the_plain_torch_run(name):
+    """engine=stream with every unit GPU-resident (on the CPU: the same schedule with stand-in streams) against
+    engine=reference in the same format: the same losses and the same master and moments, bit for bit, over four
+    steps with clipping active."""
+    from tests.test_engine_equivalence import build
+
+    over = {"bf16": FORMATS["bf16"],
+            "int8-fp32-grads": ["train.master_dtype=bf16", "train.moments_dtype=int8",
+                                "train.moments_block_size=64"]}[name]
+    over = [*over, "model.tie_word_embeddings=false", "train.grad_accum=2"]
+    engines = {}
+    for engine in ("reference", "stream"):
+        extra = ["engine.gpu_resident_units=5"] if engine == "stream" else []
+        cfg, eng, data = build(engine, over + extra)
+        t = cfg.train
+        losses = []
+        for step in range(4):
+            batches = [data.batch("train", step * t.grad_accum + j, t.micro_batch_size) for j in range(t.grad_accum)]
+            losses.append(eng.train_step(batches, optim.lr_at(step, t))["loss"])
+        engines[engine] = (losses, eng)
+    (losses_r, ref), (losses_s, stream) = engines["reference"], engines["stream"]
+    assert losses_r == losses_s
+    opt_r, opt_s = ref.opt, stream.format_opt
+    for a, b in zip(opt_r.master + opt_r.m + opt_r.v, opt_s.master + opt_s.m + opt_s.v):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    if opt_r.scales:
+        for pair_r, pair_s in zip(opt_r.scales, opt_s.scales):
+            assert all(torch.equal(a, b) for a, b in zip(pair_r, pair_s))
+    assert ref.master_weights().keys() == stream.master_weights().keys()
+    stream.close()
 
 
 def test_a_checkpoint_of_the_precision_key_resumes_as_the_fp32_formats():

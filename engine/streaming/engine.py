@@ -37,6 +37,12 @@ embeddings the head reads the embedding slot's matrix and both gradients accumul
 accumulator (head first, then the lookup: the same sum as the reference, in a different order of the same terms,
 so tied models agree with the reference to fp32 rounding rather than bit for bit).
 
+Low-precision state formats (engine/formats.py) run so far with every unit GPU-resident and fp32 gradients: their
+master and moments live in the formats (`optim.FormatAdamW`), each unit is updated by the fused kernel
+(engine/kernels/adamw_update.py, which applies the clip coefficient itself), and slots are filled from the
+low-precision master as from an fp32 one. GPU-streamed and host units, bf16 held gradients and the checkpoints of
+these formats are refused by the trainer until they are wired.
+
 On a CPU-only torch every stream and event is a synchronous stand-in (engine/device.py): same code, no overlap.
 """
 
@@ -51,6 +57,7 @@ import torch
 
 from engine import optim
 from engine.device import Device, autocast_ctx
+from engine.formats import StateFormat
 from engine.model import ModelSpec
 from engine.optim import FlatAdamW
 from engine.streaming.activations import ActivationStore
@@ -101,6 +108,15 @@ class StreamEngine:
             spec.init_unit(spec.units[u], layouts[u].views(self.master[u]), cfg.seed)
             self.m[u] = torch.zeros_like(self.master[u])
             self.v[u] = torch.zeros_like(self.master[u])
+        # a low-precision format (every unit GPU-resident so far): its state replaces the fp32 buffers above
+        self.fmt = StateFormat.of(t)
+        self.format_opt = None
+        if not self.fmt.exact:
+            if len(self.resident_units) != n_units:
+                raise ValueError(f"{self.fmt.overrides()}: engine=stream runs low-precision formats with every unit "
+                                 "GPU-resident only so far")
+            self.format_opt = optim.FormatAdamW(layouts, self.fmt, t, cfg.seed, self.master)
+            self.master, self.m, self.v = self.format_opt.master, self.format_opt.m, self.format_opt.v
 
         self.h2d, self.d2h, self.opt_d2h = self.dev.new_stream(), self.dev.new_stream(), self.dev.new_stream()
         self.timer = StallTimer(self.dev)
@@ -111,7 +127,8 @@ class StreamEngine:
         for u in self.streamed_units:
             for which, view in self.streamed.state_views(u).items():
                 opt_state[which][u] = view
-        self.opt = FlatAdamW(layouts, opt_state["master"], opt_state["m"], opt_state["v"], t)
+        self.opt = FlatAdamW(layouts, opt_state["master"], opt_state["m"], opt_state["v"], t) \
+            if self.format_opt is None else None
         self.loader = WeightLoader(self.dev, self.h2d, self.master, layouts, compute_dtype, self.timer)
         layer_layouts = [u.layout for u in spec.layer_units]
         self.embed_slot = self.loader.new_slot([layouts[0]])
@@ -396,14 +413,18 @@ class StreamEngine:
         for ev in self.updated:
             ev.clear()
         scale = float(coef) < 1.0
+        lr_dev = torch.tensor(lr, dtype=torch.float32, device=self.dev.device) if self.format_opt else None
         for unit in sorted(self.resident_units):  # state in GPU memory: updated right here, in compute-stream order
             acc = self.gpu_grads[unit]
             if skipped:
                 acc.release_unread()
             else:
-                if scale:
-                    acc.flat.mul_(coef_dev)
-                self.opt.step_unit(unit, acc.flat, lr)
+                if self.format_opt is not None:  # the fused kernel scales by the clip coefficient itself
+                    self.format_opt.step_unit(unit, acc.flat, lr_dev, coef_dev)
+                else:
+                    if scale:
+                        acc.flat.mul_(coef_dev)
+                    self.opt.step_unit(unit, acc.flat, lr)
                 acc.read_queued(None)
             self.updated[unit].set()
         if skipped:
@@ -490,10 +511,13 @@ class StreamEngine:
 
     def master_weights(self) -> Dict[str, torch.Tensor]:
         self.wait_for_optimizer()
-        return {u.layout.prefix + name: t.to("cpu", copy=True) for u in self.spec.units
+        return {u.layout.prefix + name: t.to("cpu", torch.float32, copy=True) for u in self.spec.units
                 for name, t in self._views("master", u.index).items()}
 
     def adam_moments(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+        if self.format_opt is not None:
+            raise NotImplementedError(f"{self.fmt.overrides()}: moments by tensor name exist for the fp32 formats "
+                                      "only (int8 blocks span tensors); read engine.format_opt.m / .v")
         self.wait_for_optimizer()
         out = {}
         for u in self.spec.units:
@@ -504,6 +528,9 @@ class StreamEngine:
 
     def unit_state(self, index: int) -> dict:
         """One unit's training state by name: views into the host store (not copies), after the pending update."""
+        if self.format_opt is not None:
+            raise NotImplementedError(f"{self.fmt.overrides()}: training-state checkpoints of low-precision formats "
+                                      "are not written yet")
         self.wait_for_optimizer()
         return {"master": self._views("master", index), "exp_avg": self._views("m", index),
                 "exp_avg_sq": self._views("v", index), "step": self.opt.step_count(index)}
@@ -512,6 +539,9 @@ class StreamEngine:
     def load_unit_state(self, index: int, master: Dict[str, torch.Tensor], exp_avg=None, exp_avg_sq=None,
                         step: float = 0.0) -> None:
         """Copy a unit's state into the host store; moments are optional (HF import leaves them zero)."""
+        if self.format_opt is not None:
+            raise NotImplementedError(f"{self.fmt.overrides()}: loading state into low-precision formats (resume, "
+                                      "HF import) is not implemented yet")
         self.wait_for_optimizer()
         for which, values in (("master", master), ("m", exp_avg), ("v", exp_avg_sq)):
             if values is not None:
@@ -529,7 +559,8 @@ class StreamEngine:
         out["device_slots"] = gpu
         accs = list({id(a): a for a in [*self.acc.values(), *self.layer_accs, *self.device_accs.values()]}.values())
         out["device_grad_accumulators"] = sum(4 * a.flat.numel() for a in accs)
-        out["device_optimizer_state"] = sum(12 * self.master[u].numel() for u in self.resident_units)
+        out["device_optimizer_state"] = sum(self.format_opt.nbytes().values()) if self.format_opt else \
+            sum(12 * self.master[u].numel() for u in self.resident_units)
         out["device_streamed_state_staging"] = self.streamed.bytes
         return out
 
