@@ -142,6 +142,34 @@ class FormatAdamW:
                      segments=self.segments[index], weights_out=weights_out,
                      seed=update_seed(self.seed, index, self.steps[index]), **scales)
 
+    def unit_state(self, index: int, layout) -> dict:
+        """The unit's state for a checkpoint (views, not copies): master and fp32 / bf16 moments by tensor name in
+        their formats; int8 moments flat with their scales (a block can span tensors), under "flat"."""
+        state = {"master": layout.views(self.master[index]), "exp_avg": {}, "exp_avg_sq": {}, "flat": {},
+                 "step": float(self.steps[index])}
+        if self.scales is not None:
+            state["flat"] = {"exp_avg": self.m[index], "exp_avg_sq": self.v[index],
+                             "exp_avg_scales": self.scales[index][0], "exp_avg_sq_scales": self.scales[index][1]}
+        else:
+            state["exp_avg"], state["exp_avg_sq"] = layout.views(self.m[index]), layout.views(self.v[index])
+        return state
+
+    def load_unit_state(self, index: int, layout, master, exp_avg=None, exp_avg_sq=None, step: float = 0.0,
+                        flat=None) -> None:
+        """Copy a unit's state in (as `unit_state` gives it). A wider master (an HF import) rounds to nearest."""
+        for name, view in layout.views(self.master[index]).items():
+            view.copy_(master[name])
+        if flat:
+            for buf, key in ((self.m[index], "exp_avg"), (self.v[index], "exp_avg_sq"),
+                             (self.scales[index][0], "exp_avg_scales"), (self.scales[index][1], "exp_avg_sq_scales")):
+                buf.copy_(flat[key])
+        elif exp_avg is not None:
+            for moments, values in ((self.m[index], exp_avg), (self.v[index], exp_avg_sq)):
+                for name, view in layout.views(moments).items():
+                    view.copy_(values[name])
+        if flat or exp_avg is not None:
+            self.steps[index] = int(step)
+
     def nbytes(self) -> Dict[str, int]:
         size = lambda ts: sum(x.numel() * x.element_size() for x in ts)  # noqa: E731
         moments = size(self.m) + size(self.v) + (size(s for pair in self.scales for s in pair) if self.scales else 0)

@@ -547,8 +547,10 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
             "activation_tier": "gpu" if e.activation_tier == "gpu" else "host",
             "grads_tier": "gpu" if e.grads_tier == "gpu" else "host",
             "cache_weights": "on" if e.cache_weights == "on" else "off",
-            "gpu_resident_units": max(0, e.gpu_resident_units),
-            "gpu_streamed_units": streamed_default(max(0, e.gpu_resident_units))}
+            # a low-precision format with nothing fixed: every unit resident (the placement that runs it so far)
+            "gpu_resident_units": n_units if gpu_updated_only and e.gpu_resident_units < 0
+            and e.gpu_streamed_units < 0 else max(0, e.gpu_resident_units)}
+        placement["gpu_streamed_units"] = streamed_default(placement["gpu_resident_units"])
     else:
         splits = [(r, t) for r in ([min(e.gpu_resident_units, n_units)] if e.gpu_resident_units >= 0
                                    else range(n_units + 1))

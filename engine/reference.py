@@ -10,7 +10,7 @@ With a low-precision state format (engine/formats.py) it is the plain-PyTorch ru
 parameters are views of one fp32 flat buffer holding the master's values, the unit's master and moments live in the
 format (`optim.FormatAdamW`), and after each update the fresh master is upcast into the flat buffer (exact: bf16
 values are fp32 values). Per unit and step: one gather of the gradients into a flat fp32 buffer, one fused update,
-one upcast; with bf16 gradients, one stochastic rounding of the gathered gradient before the norm. Training-state checkpoints of these formats are not written yet (the trainer refuses to arm them).
+one upcast; with bf16 gradients, one stochastic rounding of the gathered gradient before the norm.
 """
 
 from __future__ import annotations
@@ -172,8 +172,7 @@ class ReferenceEngine:
         """One unit's training state by name (live tensors on the engine's device, not copies): fp32 master
         weights, Adam moments (empty before the first update) and Adam's step count."""
         if not self.fmt.exact:
-            raise NotImplementedError(f"{self.fmt.overrides()}: training-state checkpoints of low-precision formats "
-                                      "are not written yet")
+            return self.opt.unit_state(index, self.spec.units[index].layout)
         params = self.params[index]
         state = {"master": {n: p.detach() for n, p in params.items()}, "exp_avg": {}, "exp_avg_sq": {}, "step": 0.0}
         for name, p in params.items():
@@ -185,11 +184,12 @@ class ReferenceEngine:
 
     @torch.no_grad()
     def load_unit_state(self, index: int, master: Dict[str, torch.Tensor], exp_avg=None, exp_avg_sq=None,
-                        step: float = 0.0) -> None:
+                        step: float = 0.0, flat=None) -> None:
         """Copy a unit's state in (names and shapes as in `unit_state`); moments are optional (HF import)."""
         if not self.fmt.exact:
-            raise NotImplementedError(f"{self.fmt.overrides()}: loading state into low-precision formats (resume, "
-                                      "HF import) is not implemented yet")
+            self.opt.load_unit_state(index, self.spec.units[index].layout, master, exp_avg, exp_avg_sq, step, flat)
+            self.flat[index].copy_(self.opt.master[index])
+            return
         for name, p in self.params[index].items():
             p.copy_(master[name])
             if exp_avg is not None:

@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -188,14 +187,9 @@ class Trainer:
         n = min(t.val_batches, max(1, self.data.num_sequences("val") // t.micro_batch_size))
         return self.engine.eval_loss([self.data.batch("val", i, t.micro_batch_size) for i in range(n)])
 
-    def _save(self, step: int, pending_tokens: int = 0) -> Optional[Path]:
-        """Save the full training state after `step` optimizer steps (a no-op if that checkpoint exists). None, with
-        a line saying so, for a low-precision format (not checkpointed yet; the run was told at its start)."""
+    def _save(self, step: int, pending_tokens: int = 0) -> Path:
+        """Save the full training state after `step` optimizer steps (a no-op if that checkpoint exists)."""
         t = self.cfg.train
-        if not self.fmt.exact:
-            self.log(f"no checkpoint of step {step}: training-state checkpoints of {self.fmt.overrides()} are not "
-                     "written yet")
-            return None
         state = {
             "data_position": {"next_step": step, "train_batches_consumed": step * t.grad_accum,
                               "micro_batch_size": t.micro_batch_size, "data_fingerprint": self.data.fingerprint},
@@ -258,8 +252,7 @@ class Trainer:
                         raise TrainingDiverged(
                             f"steps {step - n + 1}..{step}: {n} consecutive steps had a non-finite loss or gradient "
                             f"and were skipped (train.max_consecutive_skips={t.max_consecutive_skips}); stopped. "
-                            f"The weights are still those after step {step - n}; they are saved in "
-                            f"{path or 'no checkpoint (see above)'}. Lower "
+                            f"The weights are still those after step {step - n}; they are saved in {path}. Lower "
                             "train.lr or check the data before going on")
                     if step == t.steps or (t.val_every and step % t.val_every == 0):
                         self.metrics.log_val(step, self._validate())
@@ -273,7 +266,7 @@ class Trainer:
                 if stopped is not None or t.checkpoint_every:
                     path = self._save(step, span_tokens)
                     if stopped is not None:
-                        stopped.update(step=step, checkpoint=str(path) if path else None)
+                        stopped.update(step=step, checkpoint=str(path))
                         self.log(f"stopped at step {step} ({stopped['reason']}); resume with train.resume=auto "
                                  f"hydra.run.dir={self.run_dir}")
                 if stopped is None and t.export_hf:
@@ -296,7 +289,6 @@ class Trainer:
 
 def _refuse_unbuilt_format_uses(cfg: DictConfig, fmt: StateFormat, placement: dict, n_units: int) -> None:
     """What a low-precision state format cannot do yet, refused before anything is allocated."""
-    t = cfg.train
     resident = placement.get("gpu_resident_units", 0)
     if cfg.engine.name == "stream" and (resident < n_units or fmt.grad != "fp32"):
         raise ConfigError(
@@ -305,14 +297,6 @@ def _refuse_unbuilt_format_uses(cfg: DictConfig, fmt: StateFormat, placement: di
             f"{'' if fmt.grad == 'fp32' else ' and holds bf16 gradients'} (GPU-streamed units and bf16 gradients "
             "are the next step). Use engine=reference, a placement with engine.gpu_resident_units="
             f"{n_units} and train.grad_dtype=fp32 where it fits, or plan=true to see this format's plan")
-    unbuilt = {"train.checkpoint_every": t.checkpoint_every > 0, "train.stop_at": t.stop_at > 0,
-               "train.resume": t.resume != "none", "train.export_hf": t.export_hf,
-               "model.init": checkpoint.hf_dir_of(cfg.model.init) is not None}
-    asked = [key for key, on in unbuilt.items() if on]
-    if asked:
-        raise ConfigError(f"{', '.join(asked)} with {fmt.overrides()}: training-state checkpoints, resume, HF "
-                          "import and export of low-precision formats are not implemented yet; train without them "
-                          "or with the fp32 formats")
 
 
 @contextlib.contextmanager

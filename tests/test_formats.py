@@ -132,9 +132,8 @@ def test_low_precision_formats_learn_like_fp32(monkeypatch):
 
 
 def test_what_low_precision_formats_cannot_do_yet_is_refused(tmp_path):
-    """Precision never changes silently: GPU-streamed or host units and bf16 gradients in the streaming engine,
-    checkpoints, resume and HF import/export of a low-precision format are refused before anything is allocated;
-    plan=true plans it."""
+    """Precision never changes silently: GPU-streamed or host units and bf16 gradients in the streaming engine are
+    refused before anything is allocated; plan=true plans such a placement."""
     from engine.config import ConfigError
     from engine.trainer import Trainer
 
@@ -145,10 +144,56 @@ def test_what_low_precision_formats_cannot_do_yet_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"keeps 6 of 6 units resident and holds bf16 gradients"):
         Trainer(make_cfg(["engine=stream", "train.grad_dtype=bf16", "engine.gpu_resident_units=6"]),
                 tmp_path / "grads")
-    with pytest.raises(ConfigError, match=r"^train.checkpoint_every, train.export_hf with .*not implemented yet"):
-        Trainer(make_cfg(["train.grad_dtype=bf16", "train.checkpoint_every=5", "train.export_hf=true"]),
-                tmp_path / "ckpt")
     Trainer(make_cfg(["engine=stream", "train.moments_dtype=int8", "plan=true"]), tmp_path / "plan")
+
+
+@pytest.mark.parametrize("engine, over", [
+    ("reference", FORMATS["int8"]),
+    ("stream", ["train.master_dtype=bf16", "train.moments_dtype=bf16", "engine.gpu_resident_units=5"]),
+    ("stream", ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.moments_block_size=64",
+                "engine.gpu_resident_units=5"])])
+def test_a_format_resumes_bit_exact(engine, over, tmp_path):
+    """6 steps == 3, stop (checkpoint), resume, 3: the same losses and the same checkpointed state, bit for bit (the
+    stochastic rounding is keyed by step, so a resumed run rounds as the uninterrupted one). A resume in another
+    format is refused."""
+    from engine.checkpoint.safetensors_io import SafetensorsFile
+    from engine.config import ConfigError
+    from engine.trainer import Trainer
+    from tests.test_checkpoint import RECIPE, step_losses
+
+    common = [*RECIPE, f"engine={engine}", "train.steps=6", "train.checkpoint_every=3", *over]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    Trainer(make_cfg(common), whole).run()
+    Trainer(make_cfg([*common, "train.stop_at=3"]), split).run()
+    Trainer(make_cfg([*common, "train.resume=auto"]), split).run()
+    assert step_losses(split) == step_losses(whole)
+    files = sorted((whole / "checkpoints" / "step_6").glob("unit_*.safetensors"))
+    assert files
+    for f in files:
+        with SafetensorsFile(f) as a, SafetensorsFile(split / "checkpoints" / "step_6" / f.name) as b:
+            assert a.keys() == b.keys()
+            for k in a.keys():
+                assert torch.equal(a.get(k), b.get(k)), k
+            dtypes = {k.split(".")[0]: a.get(k).dtype for k in a.keys()}
+            assert dtypes["master"] == torch.bfloat16
+            assert ("flat" in dtypes) == ("train.moments_dtype=int8" in over)
+    other = [c for c in common if not c.startswith("train.moments_dtype")] + ["train.moments_dtype=fp32"]
+    with pytest.raises(ConfigError, match="train.moments_dtype"):
+        Trainer(make_cfg([*other, "train.resume=auto"]), split)
+
+
+def test_hf_export_of_a_format_casts_the_master(tmp_path):
+    from engine.checkpoint.safetensors_io import SafetensorsFile
+    from engine.trainer import Trainer
+    from tests.test_checkpoint import RECIPE
+
+    Trainer(make_cfg([*RECIPE, "train.steps=2", "train.export_hf=true", "train.export_dtype=fp32",
+                      *FORMATS["bf16"]]), tmp_path).run()
+    exported = sorted((tmp_path / "hf").glob("*.safetensors"))
+    assert exported
+    with SafetensorsFile(exported[0]) as st:
+        t = st.get(st.keys()[0])
+    assert t.dtype == torch.float32 and torch.equal(t, t.bfloat16().float())  # bf16 values, written as fp32
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8-fp32-grads"])

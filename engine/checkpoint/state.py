@@ -260,12 +260,14 @@ def save_training_state(engine, root: Path, step: int, state: dict, keep: int = 
                 for s in unit.layout.specs:
                     t = tensors[s.name]
                     items.append((f"{kind}.{unit.layout.prefix}{s.name}", t.dtype, tuple(s.shape), t))
+            flat = st.get("flat") or {}  # int8 moments: flat buffers and their block scales
+            items += [(f"flat.{key}", t.dtype, tuple(t.shape), t) for key, t in sorted(flat.items())]
             fname = unit_file_name(unit)
             nbytes, sha = write_safetensors(tmp / fname, items, {"format": "pt", "unit": str(unit.index),
                                                                  "adam_step": repr(float(st["step"]))})
             files[fname] = {"bytes": nbytes, "sha256": sha}
             units.append({"index": unit.index, "name": unit.name, "file": fname, "adam_step": float(st["step"]),
-                          "moments": bool(st["exp_avg"])})
+                          "moments": bool(st["exp_avg"]) or bool(flat), "flat": sorted(flat)})
         nbytes, sha = write_durable(tmp / TRAINER_STATE, _state_json(final / TRAINER_STATE, {**head, "units": units}))
         files[TRAINER_STATE] = {"bytes": nbytes, "sha256": sha}
         write_durable(tmp / MANIFEST, json_bytes({
@@ -364,7 +366,10 @@ def open_training_state(path: Path, spec=None, fingerprint: Optional[dict] = Non
         if u["file"] not in files:
             raise CheckpointError(f"{p}: not listed in {path / MANIFEST}")
         with SafetensorsFile(p) as st:
-            kinds = STATE_KINDS if u.get("moments", True) else STATE_KINDS[:1]
+            kinds = STATE_KINDS if u.get("moments", True) and not u.get("flat") else STATE_KINDS[:1]
+            for key in u.get("flat") or []:
+                if f"flat.{key}" not in st.entries:
+                    raise CheckpointError(f"{p}: tensor flat.{key} is missing")
             for kind in kinds:
                 for s in unit.layout.specs:
                     name = f"{kind}.{unit.layout.prefix}{s.name}"
@@ -387,7 +392,10 @@ def load_training_state(engine, ckpt: TrainingCheckpoint) -> dict:
             def lazy(kind: str, st=st, prefix=prefix, unit=unit) -> LazyTensors:
                 return LazyTensors(unit.layout.names, lambda n: st.get(f"{kind}.{prefix}{n}"))
 
-            if u.get("moments", True):
+            if u.get("flat"):
+                engine.load_unit_state(unit.index, lazy("master"), step=float(u["adam_step"]),
+                                       flat={key: st.get(f"flat.{key}") for key in u["flat"]})
+            elif u.get("moments", True):
                 engine.load_unit_state(unit.index, lazy("master"), lazy("exp_avg"), lazy("exp_avg_sq"),
                                        float(u["adam_step"]))
             else:

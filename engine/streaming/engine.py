@@ -40,8 +40,8 @@ so tied models agree with the reference to fp32 rounding rather than bit for bit
 Low-precision state formats (engine/formats.py) run so far with every unit GPU-resident and fp32 gradients: their
 master and moments live in the formats (`optim.FormatAdamW`), each unit is updated by the fused kernel
 (engine/kernels/adamw_update.py, which applies the clip coefficient itself), and slots are filled from the
-low-precision master as from an fp32 one. GPU-streamed and host units, bf16 held gradients and the checkpoints of
-these formats are refused by the trainer until they are wired.
+low-precision master as from an fp32 one. GPU-streamed and host units and bf16 held gradients are refused by the
+trainer until they are wired.
 
 On a CPU-only torch every stream and event is a synchronous stand-in (engine/device.py): same code, no overlap.
 """
@@ -528,21 +528,21 @@ class StreamEngine:
 
     def unit_state(self, index: int) -> dict:
         """One unit's training state by name: views into the host store (not copies), after the pending update."""
-        if self.format_opt is not None:
-            raise NotImplementedError(f"{self.fmt.overrides()}: training-state checkpoints of low-precision formats "
-                                      "are not written yet")
         self.wait_for_optimizer()
+        if self.format_opt is not None:
+            return self.format_opt.unit_state(index, self.store.layouts[index])
         return {"master": self._views("master", index), "exp_avg": self._views("m", index),
                 "exp_avg_sq": self._views("v", index), "step": self.opt.step_count(index)}
 
     @torch.no_grad()
     def load_unit_state(self, index: int, master: Dict[str, torch.Tensor], exp_avg=None, exp_avg_sq=None,
-                        step: float = 0.0) -> None:
+                        step: float = 0.0, flat=None) -> None:
         """Copy a unit's state into the host store; moments are optional (HF import leaves them zero)."""
-        if self.format_opt is not None:
-            raise NotImplementedError(f"{self.fmt.overrides()}: loading state into low-precision formats (resume, "
-                                      "HF import) is not implemented yet")
         self.wait_for_optimizer()
+        if self.format_opt is not None:
+            self.format_opt.load_unit_state(index, self.store.layouts[index], master, exp_avg, exp_avg_sq, step, flat)
+            self.version += 1
+            return
         for which, values in (("master", master), ("m", exp_avg), ("v", exp_avg_sq)):
             if values is not None:
                 for name, view in self._views(which, index).items():
