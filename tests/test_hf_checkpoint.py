@@ -306,3 +306,24 @@ def test_missing_and_unexpected_tensors_are_named(qwen2_dir, tmp_path):
 def test_init_dir_without_config_is_refused_by_validate(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         make_cfg([*BASE, f"model.init=hf:{tmp_path}"])
+
+
+@pytest.mark.parametrize("engine", ["reference", "stream"])
+def test_import_into_a_low_precision_format_rounds_to_nearest(engine, tmp_path):
+    """HF fp32 weights into a bf16 master: each weight is the nearest bf16 of HF's value, and the optimizer state
+    starts fresh (step 0, zero moments and scales)."""
+    path = save_hf(hf_model("qwen2"), tmp_path / "hf", torch.float32, None)
+    over = ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.moments_block_size=64"]
+    over += ["engine.gpu_resident_units=5"] if engine == "stream" else []
+    tr = Trainer(make_cfg([*BASE, f"engine={engine}", f"model.init=hf:{path}", *over]), tmp_path / "run")
+    try:
+        sd = fp32_reference(path).state_dict()
+        weights = tr.engine.master_weights()
+        assert weights.keys() <= sd.keys()
+        for name, w in weights.items():
+            assert torch.equal(w, sd[name].bfloat16().float()), name
+        opt = tr.engine.opt if engine == "reference" else tr.engine.format_opt
+        assert opt.steps == [0] * len(tr.spec.units)
+        assert not any(t.any() for t in opt.m + opt.v) and not any(s.any() for pair in opt.scales for s in pair)
+    finally:
+        tr.engine.close()
