@@ -14,12 +14,13 @@ host RAM, on the GPU's compute stream for the leading units whose state the plan
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from engine.formats import update_seed
 from engine.kernels.adamw_update import adamw_update, layout_segments
+from engine.kernels.reference import dequantize_blocks_reference
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing
 
@@ -129,22 +130,28 @@ class FormatAdamW:
                                  for _ in range(2)) for w in masters]
         self.steps = [0] * len(masters)
         self.segments = [layout_segments(lay, t.weight_decay) for lay in layouts]
+        self.lr = torch.zeros((), dtype=torch.float32, device=masters[0].device)
 
-    def step_unit(self, index: int, grad_flat: torch.Tensor, lr: torch.Tensor, clip: torch.Tensor,
+    def set_lr(self, lr: float) -> None:
+        """The step's learning rate into the device scalar the kernel reads (a fill: no host-to-device copy)."""
+        self.lr.fill_(lr)
+
+    def step_unit(self, index: int, grad_flat: torch.Tensor, clip: torch.Tensor,
                   weights_out: Optional[torch.Tensor] = None) -> None:
         self.steps[index] += 1
         scales = {}
         if self.scales is not None:
             scales = {"m_scales": self.scales[index][0], "v_scales": self.scales[index][1],
                       "block_size": self.fmt.block_size}
-        adamw_update(self.master[index], self.m[index], self.v[index], grad_flat, lr=lr, clip=clip,
+        adamw_update(self.master[index], self.m[index], self.v[index], grad_flat, lr=self.lr, clip=clip,
                      step=self.steps[index], beta1=self.t.beta1, beta2=self.t.beta2, eps=self.t.eps,
                      segments=self.segments[index], weights_out=weights_out,
                      seed=update_seed(self.seed, index, self.steps[index]), **scales)
 
-    def unit_state(self, index: int, layout) -> dict:
+    def unit_state(self, index: int) -> dict:
         """The unit's state for a checkpoint (views, not copies): master and fp32 / bf16 moments by tensor name in
         their formats; int8 moments flat with their scales (a block can span tensors), under "flat"."""
+        layout = self.layouts[index]
         state = {"master": layout.views(self.master[index]), "exp_avg": {}, "exp_avg_sq": {}, "flat": {},
                  "step": float(self.steps[index])}
         if self.scales is not None:
@@ -154,9 +161,10 @@ class FormatAdamW:
             state["exp_avg"], state["exp_avg_sq"] = layout.views(self.m[index]), layout.views(self.v[index])
         return state
 
-    def load_unit_state(self, index: int, layout, master, exp_avg=None, exp_avg_sq=None, step: float = 0.0,
+    def load_unit_state(self, index: int, master, exp_avg=None, exp_avg_sq=None, step: float = 0.0,
                         flat=None) -> None:
         """Copy a unit's state in (as `unit_state` gives it). A wider master (an HF import) rounds to nearest."""
+        layout = self.layouts[index]
         for name, view in layout.views(self.master[index]).items():
             view.copy_(master[name])
         if flat:
@@ -169,6 +177,17 @@ class FormatAdamW:
                     view.copy_(values[name])
         if flat or exp_avg is not None:
             self.steps[index] = int(step)
+
+    def moments_by_name(self, index: int) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+        """fp32 copies on the CPU of the unit's m and v by tensor name (int8 ones dequantized with their scales)."""
+        m, v = self.m[index], self.v[index]
+        if self.scales is not None:
+            m = dequantize_blocks_reference(m, self.scales[index][0], self.fmt.block_size, signed=True)
+            v = dequantize_blocks_reference(v, self.scales[index][1], self.fmt.block_size, signed=False)
+        layout = self.layouts[index]
+        m_views, v_views = layout.views(m), layout.views(v)
+        return {layout.prefix + name: (m_views[name].to("cpu", torch.float32, copy=True),
+                                       v_views[name].to("cpu", torch.float32, copy=True)) for name in m_views}
 
     def nbytes(self) -> Dict[str, int]:
         size = lambda ts: sum(x.numel() * x.element_size() for x in ts)  # noqa: E731

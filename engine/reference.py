@@ -62,7 +62,6 @@ class ReferenceEngine:
             self.grad_flat = [torch.zeros_like(f) for f in self.flat]
             self.grad_held = self.grad_flat if self.fmt.grad == "fp32" else \
                 [torch.zeros_like(f, dtype=torch.bfloat16) for f in self.flat]
-            self.seed = cfg.seed
         self.rope = None
         self.skipped_steps = 0
 
@@ -131,15 +130,15 @@ class ReferenceEngine:
                 flat_views[name].copy_(p.grad)
             if self.fmt.grad == "bf16":
                 to_bf16_stochastic(self.grad_flat[u], self.grad_held[u],
-                                   update_seed(self.seed, u, self.opt.steps[u] + 1) ^ GRAD_STREAM)
+                                   update_seed(self.opt.seed, u, self.opt.steps[u] + 1) ^ GRAD_STREAM)
             views += list(unit.layout.views(self.grad_held[u]).values())
         return views
 
     @torch.no_grad()
     def _format_step(self, coef: torch.Tensor, lr: float) -> None:
-        lr_t = torch.tensor(lr, dtype=torch.float32, device=self.device)
+        self.opt.set_lr(lr)
         for unit in self.spec.units:
-            self.opt.step_unit(unit.index, self.grad_held[unit.index], lr_t, coef)
+            self.opt.step_unit(unit.index, self.grad_held[unit.index], coef)
             self.flat[unit.index].copy_(self.opt.master[unit.index])
 
     @torch.no_grad()
@@ -158,8 +157,7 @@ class ReferenceEngine:
 
     def adam_moments(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         if not self.fmt.exact:
-            raise NotImplementedError(f"{self.fmt.overrides()}: moments by tensor name exist for the fp32 formats "
-                                      "only (int8 blocks span tensors); read engine.opt.m / .v")
+            return {k: mv for u in self.spec.units for k, mv in self.opt.moments_by_name(u.index).items()}
         out = {}
         for u, ps in zip(self.spec.units, self.params):
             for name, p in ps.items():
@@ -172,7 +170,7 @@ class ReferenceEngine:
         """One unit's training state by name (live tensors on the engine's device, not copies): fp32 master
         weights, Adam moments (empty before the first update) and Adam's step count."""
         if not self.fmt.exact:
-            return self.opt.unit_state(index, self.spec.units[index].layout)
+            return self.opt.unit_state(index)
         params = self.params[index]
         state = {"master": {n: p.detach() for n, p in params.items()}, "exp_avg": {}, "exp_avg_sq": {}, "step": 0.0}
         for name, p in params.items():
@@ -187,7 +185,7 @@ class ReferenceEngine:
                         step: float = 0.0, flat=None) -> None:
         """Copy a unit's state in (names and shapes as in `unit_state`); moments are optional (HF import)."""
         if not self.fmt.exact:
-            self.opt.load_unit_state(index, self.spec.units[index].layout, master, exp_avg, exp_avg_sq, step, flat)
+            self.opt.load_unit_state(index, master, exp_avg, exp_avg_sq, step, flat)
             self.flat[index].copy_(self.opt.master[index])
             return
         for name, p in self.params[index].items():

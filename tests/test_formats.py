@@ -226,6 +226,10 @@ def test_the_streaming_engine_trains_a_format_as_the_plain_torch_run(name):
         for pair_r, pair_s in zip(opt_r.scales, opt_s.scales):
             assert all(torch.equal(a, b) for a, b in zip(pair_r, pair_s))
     assert ref.master_weights().keys() == stream.master_weights().keys()
+    moments_r, moments_s = ref.adam_moments(), stream.adam_moments()
+    assert moments_r.keys() == moments_s.keys() == ref.master_weights().keys()
+    assert all(torch.equal(a, b) for k in moments_r for a, b in zip(moments_r[k], moments_s[k]))
+    assert any(m.any() for m, _ in moments_r.values())
     stream.close()
 
 

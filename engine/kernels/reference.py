@@ -323,7 +323,8 @@ def _quantize_blocks(val: torch.Tensor, block_size: int, signed: bool):
     return code.reshape(-1)[:n], scale
 
 
-def _dequantize_blocks(code: torch.Tensor, scale: torch.Tensor, block_size: int, signed: bool) -> torch.Tensor:
+def dequantize_blocks_reference(code: torch.Tensor, scale: torch.Tensor, block_size: int, signed: bool) -> torch.Tensor:
+    """fp32 values of blockwise int8 moment codes (m: `signed`, int8; v: uint8) with their per-block scales."""
     e_bits, m_bits = M_CODE if signed else V_CODE
     c = code.to(torch.int64) & 0xFF
     mag = code_decode_reference(c & 0x7F if signed else c, e_bits, m_bits)
@@ -360,8 +361,8 @@ def adamw_update_reference(master: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     g = grad.float() * clip.detach().float().reshape(())
     p = master.float()
     if m.dtype == torch.int8:
-        m_val = _dequantize_blocks(m, m_scales, block_size, signed=True)
-        v_val = _dequantize_blocks(v, v_scales, block_size, signed=False)
+        m_val = dequantize_blocks_reference(m, m_scales, block_size, signed=True)
+        v_val = dequantize_blocks_reference(v, v_scales, block_size, signed=False)
     else:
         m_val, v_val = m.float(), v.float()
     p = p * decay

@@ -103,13 +103,14 @@ class StreamEngine:
                                streamed_units=self.streamed_units)
         layouts = self.store.layouts
         self.master, self.m, self.v = list(self.store.master), list(self.store.m), list(self.store.v)
+        self.fmt = StateFormat.of(t)
         for u in sorted(self.resident_units):
             self.master[u] = torch.zeros(layouts[u].numel, dtype=torch.float32, device=device)
             spec.init_unit(spec.units[u], layouts[u].views(self.master[u]), cfg.seed)
-            self.m[u] = torch.zeros_like(self.master[u])
-            self.v[u] = torch.zeros_like(self.master[u])
-        # a low-precision format (every unit GPU-resident so far): its state replaces the fp32 buffers above
-        self.fmt = StateFormat.of(t)
+            if self.fmt.exact:
+                self.m[u] = torch.zeros_like(self.master[u])
+                self.v[u] = torch.zeros_like(self.master[u])
+        # a low-precision format (every unit GPU-resident so far): its state, rounded from the fp32 init above
         self.format_opt = None
         if not self.fmt.exact:
             if len(self.resident_units) != n_units:
@@ -413,14 +414,15 @@ class StreamEngine:
         for ev in self.updated:
             ev.clear()
         scale = float(coef) < 1.0
-        lr_dev = torch.tensor(lr, dtype=torch.float32, device=self.dev.device) if self.format_opt else None
+        if self.format_opt is not None:
+            self.format_opt.set_lr(lr)
         for unit in sorted(self.resident_units):  # state in GPU memory: updated right here, in compute-stream order
             acc = self.gpu_grads[unit]
             if skipped:
                 acc.release_unread()
             else:
                 if self.format_opt is not None:  # the fused kernel scales by the clip coefficient itself
-                    self.format_opt.step_unit(unit, acc.flat, lr_dev, coef_dev)
+                    self.format_opt.step_unit(unit, acc.flat, coef_dev)
                 else:
                     if scale:
                         acc.flat.mul_(coef_dev)
@@ -515,10 +517,9 @@ class StreamEngine:
                 for name, t in self._views("master", u.index).items()}
 
     def adam_moments(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-        if self.format_opt is not None:
-            raise NotImplementedError(f"{self.fmt.overrides()}: moments by tensor name exist for the fp32 formats "
-                                      "only (int8 blocks span tensors); read engine.format_opt.m / .v")
         self.wait_for_optimizer()
+        if self.format_opt is not None:
+            return {k: mv for u in self.spec.units for k, mv in self.format_opt.moments_by_name(u.index).items()}
         out = {}
         for u in self.spec.units:
             m, v = self._views("m", u.index), self._views("v", u.index)
@@ -530,7 +531,7 @@ class StreamEngine:
         """One unit's training state by name: views into the host store (not copies), after the pending update."""
         self.wait_for_optimizer()
         if self.format_opt is not None:
-            return self.format_opt.unit_state(index, self.store.layouts[index])
+            return self.format_opt.unit_state(index)
         return {"master": self._views("master", index), "exp_avg": self._views("m", index),
                 "exp_avg_sq": self._views("v", index), "step": self.opt.step_count(index)}
 
@@ -540,7 +541,7 @@ class StreamEngine:
         """Copy a unit's state into the host store; moments are optional (HF import leaves them zero)."""
         self.wait_for_optimizer()
         if self.format_opt is not None:
-            self.format_opt.load_unit_state(index, self.store.layouts[index], master, exp_avg, exp_avg_sq, step, flat)
+            self.format_opt.load_unit_state(index, master, exp_avg, exp_avg_sq, step, flat)
             self.version += 1
             return
         for which, values in (("master", master), ("m", exp_avg), ("v", exp_avg_sq)):
