@@ -2,6 +2,7 @@
 # One GPU-machine call: carried wheels, then the named stages, each writing JSONL and logs under $OUT.
 #   bash bench/gpu_session.sh tests kernels checkpoint housekeeping perf7b peers attention
 #   bash bench/gpu_session.sh adamw   # issue 18: the fused update kernel's GPU tests and bandwidth
+#   bash bench/gpu_session.sh quality # issue 18: qwen0_5b in three state formats side by side, 16.06M tokens each
 #   bash bench/gpu_session.sh calibrate compare3b streamtests planner17 perf17 kept17   # issue 17 (calibrate
 #   writes $OUT/h200.yaml, to be committed by hand, and the later stages of the same call plan with it)
 # Each stage's full log is kept under $OUT (gpu_tests.log; logs.tgz holds every engine job's log).
@@ -48,6 +49,10 @@ for stage in "$@"; do
                done
                timeout 200 python3 bench/bench_engine.py --grid compare3b --out "$OUT/engine.jsonl" \
                  --workdir /tmp/bench --timeout-s 150 --peers "$OUT/peers.jsonl" 2>&1 | tail -6 ;;
+    quality) timeout 585 python3 bench/bench_formats_quality.py --steps 490 --val-every 49 --timeout-s 570 \
+               --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" 2>&1 | tail -5
+             mkdir -p "$OUT/quality"; for f in /tmp/quality/*.log; do cp "$f" "$OUT/quality/"; done
+             for d in /tmp/quality/*/; do cp "$d/metrics.jsonl" "$OUT/quality/$(basename "$d").metrics.jsonl"; done ;;
     peers) timeout 200 python3 bench/peers/all_on_gpu.py --model qwen7b --micro-batch-size 2 --grad-accum 8 \
              --out "$OUT/peers.jsonl" 2>&1 | tail -3 ;;
   esac
