@@ -121,6 +121,11 @@ GRIDS = {
                                                   "train.micro_batch_size=2", "train.grad_accum=2",
                                                   "engine.grads_tier=host", "engine.gpu_resident_units=0"]),
     ],
+    # issue 18: full-depth qwen14b and qwen32b in bf16 master + int8 moments + bf16 gradients (conf/experiment)
+    "capacity18": [
+        ("qwen14b-stream-64k-bf16-int8", ["+experiment=qwen14b_h200", "data=stdlib", "train.steps=5"]),
+        ("qwen32b-stream-16k-bf16-int8", ["+experiment=qwen32b_h200", "data=stdlib", "train.steps=5"]),
+    ],
     # issue 3: the same model on a GPU capped at 24 GB (host RAM limits this one to 16K tokens per step)
     "rtx3090": [
         ("qwen7b-stream-rtx3090-16k", ["model=qwen7b", "engine=stream", "hardware=rtx3090", "hardware.other_card=true",
@@ -174,6 +179,7 @@ def run_job(name: str, overrides: list, workdir: Path, timeout_s: int) -> dict:
         "losses": [s.get("loss") for s in steps], "initial_val_loss": summary.get("initial_val_loss"),
         "final_val_loss": summary.get("final_val_loss"), "placement": cfg.get("plan_placement"),
         "skipped_steps": summary.get("skipped_steps"),
+        "state_format": {k: t.get(k) for k in ("master_dtype", "moments_dtype", "grad_dtype", "moments_block_size")},
         "plan_step_s": (summary.get("plan_times_s") or {}).get("step"),
         # the predicted peak of tensor memory, the figure `gpu_mem_gib` measures (the budget adds the reserve)
         "plan_gpu_gib": (summary.get("memory_plan_allocated_gib") or {}).get("gpu"),

@@ -2,6 +2,7 @@
 # One GPU-machine call: carried wheels, then the named stages, each writing JSONL and logs under $OUT.
 #   bash bench/gpu_session.sh tests kernels checkpoint housekeeping perf7b peers attention
 #   bash bench/gpu_session.sh adamw   # issue 18: the fused update kernel's GPU tests and bandwidth
+#   bash bench/gpu_session.sh formattests capacity14; bash bench/gpu_session.sh capacity32   # issue 18, full depth
 #   bash bench/gpu_session.sh quality # issue 18: qwen0_5b in three state formats side by side, 16.06M tokens each
 #   bash bench/gpu_session.sh calibrate compare3b streamtests planner17 perf17 kept17   # issue 17 (calibrate
 #   writes $OUT/h200.yaml, to be committed by hand, and the later stages of the same call plan with it)
@@ -49,6 +50,13 @@ for stage in "$@"; do
                done
                timeout 200 python3 bench/bench_engine.py --grid compare3b --out "$OUT/engine.jsonl" \
                  --workdir /tmp/bench --timeout-s 150 --peers "$OUT/peers.jsonl" 2>&1 | tail -6 ;;
+    formattests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 240 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+                   tests/test_stream_gpu.py -k format > "$OUT/gpu_format_tests.log" 2>&1
+                 tail -8 "$OUT/gpu_format_tests.log" ;;
+    capacity14) timeout 420 python3 bench/bench_engine.py --grid capacity18 --only qwen14b --out "$OUT/engine.jsonl" \
+                  --workdir /tmp/bench --timeout-s 400 2>&1 | tail -4 ;;
+    capacity32) timeout 580 python3 bench/bench_engine.py --grid capacity18 --only qwen32b --out "$OUT/engine.jsonl" \
+                  --workdir /tmp/bench --timeout-s 560 2>&1 | tail -4 ;;
     quality) timeout 585 python3 bench/bench_formats_quality.py --steps 490 --val-every 49 --timeout-s 570 \
                --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" 2>&1 | tail -5
              mkdir -p "$OUT/quality"; for f in /tmp/quality/*.log; do cp "$f" "$OUT/quality/"; done

@@ -105,45 +105,78 @@ class FlatAdamW:
             self.opts[index].state[p]["step"].fill_(step)
 
 
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def state_shapes(fmt, numel: int) -> Dict[str, Tuple[int, torch.dtype]]:
+    """One unit's flat state in a format, name -> (numel, dtype): "master", "m", "v" and, for int8 moments, the fp32
+    "m_scales" / "v_scales" (one per block of `fmt.block_size` elements of the flat unit)."""
+    out = {"master": (numel, STATE_DTYPES[fmt.master])}
+    if fmt.moments == "int8":
+        n_blocks = -(-numel // fmt.block_size)
+        out.update(m=(numel, torch.int8), v=(numel, torch.uint8), m_scales=(n_blocks, torch.float32),
+                   v_scales=(n_blocks, torch.float32))
+    else:
+        out.update(m=(numel, STATE_DTYPES[fmt.moments]), v=(numel, STATE_DTYPES[fmt.moments]))
+    return out
+
+
+def format_state_buffers(fmt, numel: int, device) -> Dict[str, torch.Tensor]:
+    """Fresh state buffers of `state_shapes` on `device`: moments and scales zero, the master uninitialised."""
+    return {name: (torch.empty if name == "master" else torch.zeros)(n, dtype=dtype, device=device)
+            for name, (n, dtype) in state_shapes(fmt, numel).items()}
+
+
 class FormatAdamW:
     """AdamW over units' flat state in a low-precision format (engine/formats.py), one fused launch per unit.
 
     Master, m and v are flat buffers of the unit's layout in the format's dtypes (int8 moments with fp32 per-block
-    scales); the update is `engine.kernels.adamw_update` (on a CPU without the Triton interpreter, its torch
-    reference: the same bits), reading the clip coefficient and the learning rate as device tensors. Adam's step
-    count is kept per unit on the host; stochastic rounding is keyed by `formats.update_seed(seed, unit, step)`.
+    scales), made by `format_state_buffers`, wherever they live: GPU memory, or pinned host memory for a GPU-streamed
+    unit, whose update then runs over GPU staging copies passed as `state` (engine/streaming/streamed_update.py).
+    The update is `engine.kernels.adamw_update` (on a CPU without the Triton interpreter, its torch reference: the
+    same bits), reading the clip coefficient and the learning rate as device tensors. Adam's step count is kept per
+    unit on the host; stochastic rounding is keyed by `formats.update_seed(seed, unit, step)`.
     """
 
-    def __init__(self, layouts, fmt, t, seed: int, masters: Sequence[torch.Tensor]):
-        """`masters`: each unit's initial fp32 flat weights (on the device the state will live on), rounded to the
-        master format to nearest."""
-        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+    def __init__(self, layouts, fmt, t, seed: int, states: Sequence[Dict[str, torch.Tensor]], device):
+        """`states`: each unit's buffers (`format_state_buffers`), the master already holding its weights.
+        `device`: where the updates run (the learning-rate scalar lives there)."""
         self.layouts, self.fmt, self.t, self.seed = layouts, fmt, t, seed
-        self.master = [w.to(dtypes[fmt.master]) for w in masters]
-        m_dtype = dtypes[fmt.moments]
-        v_dtype = torch.uint8 if fmt.moments == "int8" else m_dtype
-        self.m = [torch.zeros(w.numel(), dtype=m_dtype, device=w.device) for w in masters]
-        self.v = [torch.zeros(w.numel(), dtype=v_dtype, device=w.device) for w in masters]
-        self.scales = None
-        if fmt.moments == "int8":
-            self.scales = [tuple(torch.zeros(-(-w.numel() // fmt.block_size), dtype=torch.float32, device=w.device)
-                                 for _ in range(2)) for w in masters]
-        self.steps = [0] * len(masters)
+        self.states = list(states)
+        self.master = [st["master"] for st in states]
+        self.m = [st["m"] for st in states]
+        self.v = [st["v"] for st in states]
+        quantized = fmt.moments == "int8"
+        self.m_scales = [st["m_scales"] for st in states] if quantized else None
+        self.v_scales = [st["v_scales"] for st in states] if quantized else None
+        self.steps = [0] * len(states)
         self.segments = [layout_segments(lay, t.weight_decay) for lay in layouts]
-        self.lr = torch.zeros((), dtype=torch.float32, device=masters[0].device)
+        self.lr = torch.zeros((), dtype=torch.float32, device=device)
+
+    @classmethod
+    def from_masters(cls, layouts, fmt, t, seed: int, masters: Sequence[torch.Tensor]) -> "FormatAdamW":
+        """State on the masters' device, the fp32 `masters` rounded to the master format to nearest."""
+        states = []
+        for w in masters:
+            st = format_state_buffers(fmt, w.numel(), w.device)
+            st["master"].copy_(w)
+            states.append(st)
+        return cls(layouts, fmt, t, seed, states, masters[0].device)
 
     def set_lr(self, lr: float) -> None:
         """The step's learning rate into the device scalar the kernel reads (a fill: no host-to-device copy)."""
         self.lr.fill_(lr)
 
     def step_unit(self, index: int, grad_flat: torch.Tensor, clip: torch.Tensor,
-                  weights_out: Optional[torch.Tensor] = None) -> None:
+                  weights_out: Optional[torch.Tensor] = None,
+                  state: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Update unit `index` in place: its own buffers, or `state` (the same names, e.g. GPU staging copies)."""
+        st = self.states[index] if state is None else state
         self.steps[index] += 1
         scales = {}
-        if self.scales is not None:
-            scales = {"m_scales": self.scales[index][0], "v_scales": self.scales[index][1],
-                      "block_size": self.fmt.block_size}
-        adamw_update(self.master[index], self.m[index], self.v[index], grad_flat, lr=self.lr, clip=clip,
+        if self.m_scales is not None:
+            scales = {"m_scales": st["m_scales"], "v_scales": st["v_scales"], "block_size": self.fmt.block_size}
+        adamw_update(st["master"], st["m"], st["v"], grad_flat, lr=self.lr, clip=clip,
                      step=self.steps[index], beta1=self.t.beta1, beta2=self.t.beta2, eps=self.t.eps,
                      segments=self.segments[index], weights_out=weights_out,
                      seed=update_seed(self.seed, index, self.steps[index]), **scales)
@@ -154,9 +187,9 @@ class FormatAdamW:
         layout = self.layouts[index]
         state = {"master": layout.views(self.master[index]), "exp_avg": {}, "exp_avg_sq": {}, "flat": {},
                  "step": float(self.steps[index])}
-        if self.scales is not None:
+        if self.m_scales is not None:
             state["flat"] = {"exp_avg": self.m[index], "exp_avg_sq": self.v[index],
-                             "exp_avg_scales": self.scales[index][0], "exp_avg_sq_scales": self.scales[index][1]}
+                             "exp_avg_scales": self.m_scales[index], "exp_avg_sq_scales": self.v_scales[index]}
         else:
             state["exp_avg"], state["exp_avg_sq"] = layout.views(self.m[index]), layout.views(self.v[index])
         return state
@@ -169,7 +202,7 @@ class FormatAdamW:
             view.copy_(master[name])
         if flat:
             for buf, key in ((self.m[index], "exp_avg"), (self.v[index], "exp_avg_sq"),
-                             (self.scales[index][0], "exp_avg_scales"), (self.scales[index][1], "exp_avg_sq_scales")):
+                             (self.m_scales[index], "exp_avg_scales"), (self.v_scales[index], "exp_avg_sq_scales")):
                 buf.copy_(flat[key])
         elif exp_avg is not None:
             for moments, values in ((self.m[index], exp_avg), (self.v[index], exp_avg_sq)):
@@ -181,15 +214,18 @@ class FormatAdamW:
     def moments_by_name(self, index: int) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         """fp32 copies on the CPU of the unit's m and v by tensor name (int8 ones dequantized with their scales)."""
         m, v = self.m[index], self.v[index]
-        if self.scales is not None:
-            m = dequantize_blocks_reference(m, self.scales[index][0], self.fmt.block_size, signed=True)
-            v = dequantize_blocks_reference(v, self.scales[index][1], self.fmt.block_size, signed=False)
+        if self.m_scales is not None:
+            m = dequantize_blocks_reference(m, self.m_scales[index], self.fmt.block_size, signed=True)
+            v = dequantize_blocks_reference(v, self.v_scales[index], self.fmt.block_size, signed=False)
         layout = self.layouts[index]
         m_views, v_views = layout.views(m), layout.views(v)
         return {layout.prefix + name: (m_views[name].to("cpu", torch.float32, copy=True),
                                        v_views[name].to("cpu", torch.float32, copy=True)) for name in m_views}
 
-    def nbytes(self) -> Dict[str, int]:
-        size = lambda ts: sum(x.numel() * x.element_size() for x in ts)  # noqa: E731
-        moments = size(self.m) + size(self.v) + (size(s for pair in self.scales for s in pair) if self.scales else 0)
-        return {"master": size(self.master), "moments": moments}
+    def nbytes(self, units: Optional[Sequence[int]] = None) -> Dict[str, int]:
+        """Bytes of the state of `units` (default all): the master, and the moments with their scales."""
+        units = range(len(self.states)) if units is None else units
+        size = lambda u, names: sum(self.states[u][k].numel() * self.states[u][k].element_size()  # noqa: E731
+                                    for k in names if k in self.states[u])
+        return {"master": sum(size(u, ["master"]) for u in units),
+                "moments": sum(size(u, ["m", "v", "m_scales", "v_scales"]) for u in units)}

@@ -235,8 +235,12 @@ class _Shape:
 
     def own_accumulator_bytes(self, n_gpu_updated: int) -> int:
         """The gradients of their own that the GPU-updated layers hold on the GPU when gradients go to the host (fp32:
-        the accumulator itself; bf16: the rounded copy, the accumulator being one of the shared ones)."""
-        return self.fmt.grad_bytes(sum(self.layouts[u].numel for u in range(1, min(n_gpu_updated, self.L + 1))))
+        the accumulator itself; bf16: the rounded copy, the accumulator being one of the shared ones, and the
+        embedding's and head's rounded copies too)."""
+        held = list(range(1, min(n_gpu_updated, self.L + 1)))
+        if self.fmt.grad != "fp32":
+            held += [u for u in (0, self.L + 1) if u < n_gpu_updated]
+        return self.fmt.grad_bytes(sum(self.layouts[u].numel for u in held))
 
     def staging_bytes(self, n_res: int, n_str: int) -> int:
         """The GPU staging buffers of the streamed units' state (engine/streaming/streamed_update.py)."""
@@ -508,8 +512,9 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
                  "layer-input activations (all micro-batches)", activation_bytes(n_kept))
         if grads_on_gpu:
             plan.add(compute_tier, f"{fmt.grad} gradients of every unit until the norm is known", grad_bytes)
-            plan.add("host", "pinned gradient staging (2 x largest unit)",
-                     2 * fmt.grad_bytes(max((lay.numel for lay in layouts[n_res:]), default=0)))
+            if n_host:
+                plan.add("host", "pinned gradient staging (2 x largest host-updated unit)",
+                         2 * fmt.grad_bytes(max(lay.numel for lay in layouts[n_res + n_str:])))
         else:
             plan.add("host", f"{fmt.grad} gradients of host-updated units until the global norm is known",
                      fmt.grad_bytes(sum(lay.numel for lay in layouts[n_res + n_str:])))
@@ -547,7 +552,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
             "activation_tier": "gpu" if e.activation_tier == "gpu" else "host",
             "grads_tier": "gpu" if e.grads_tier == "gpu" else "host",
             "cache_weights": "on" if e.cache_weights == "on" else "off",
-            # a low-precision format with nothing fixed: every unit resident (the placement that runs it so far)
+            # a low-precision format with nothing fixed: every unit resident
             "gpu_resident_units": n_units if gpu_updated_only and e.gpu_resident_units < 0
             and e.gpu_streamed_units < 0 else max(0, e.gpu_resident_units)}
         placement["gpu_streamed_units"] = streamed_default(placement["gpu_resident_units"])

@@ -56,7 +56,8 @@ class ReferenceEngine:
         if self.fmt.exact:
             self.opt = optim.make_adamw(decay, no_decay, self.t)
         else:
-            self.opt = optim.FormatAdamW([u.layout for u in spec.units], self.fmt, self.t, cfg.seed, self.flat)
+            self.opt = optim.FormatAdamW.from_masters([u.layout for u in spec.units], self.fmt, self.t, cfg.seed,
+                                                       self.flat)
             for flat, master in zip(self.flat, self.opt.master):
                 flat.copy_(master)  # the model computes with the master's values
             self.grad_flat = [torch.zeros_like(f) for f in self.flat]

@@ -47,7 +47,6 @@ from engine.checkpoint import CheckpointError
 from engine.config import ConfigError, to_plain, validate
 from engine.data import DataError, build_data
 from engine.device import resolve_compute_dtype, resolve_device
-from engine.formats import StateFormat
 from engine.metrics import MetricsLogger
 from engine.model import ModelSpec
 from engine.plan import PlanError, build_plan, fused_loss_on, runs_compiled
@@ -123,9 +122,6 @@ class Trainer:
         gpu_gib = hardware.apply_gpu_cap(cfg.hardware, self.device) if self.device.type == "cuda" else 0.0
         host_gib = cfg.hardware.host_mem_gib or host_mem_total_gib()
         self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, self.device.type == "cuda")
-        self.fmt = StateFormat.of(t)
-        if not self.fmt.exact and not cfg.plan:
-            _refuse_unbuilt_format_uses(cfg, self.fmt, self.plan.placement, len(self.spec.units))
         with _refusals_named(f"data={cfg.data.name}" + (f" data.path={cfg.data.path}" if cfg.data.path else "")):
             self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size)
         self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else self.run_dir / "checkpoints"
@@ -285,18 +281,6 @@ class Trainer:
                          + (", checkpoints/)" if self.ckpt_root.is_dir() else ")"))
                 self.log.close()
         return summary
-
-
-def _refuse_unbuilt_format_uses(cfg: DictConfig, fmt: StateFormat, placement: dict, n_units: int) -> None:
-    """What a low-precision state format cannot do yet, refused before anything is allocated."""
-    resident = placement.get("gpu_resident_units", 0)
-    if cfg.engine.name == "stream" and (resident < n_units or fmt.grad != "fp32"):
-        raise ConfigError(
-            f"engine=stream {fmt.overrides()}: the streaming engine runs low-precision formats with every unit "
-            f"GPU-resident and fp32 gradients only so far; this plan keeps {resident} of {n_units} units resident"
-            f"{'' if fmt.grad == 'fp32' else ' and holds bf16 gradients'} (GPU-streamed units and bf16 gradients "
-            "are the next step). Use engine=reference, a placement with engine.gpu_resident_units="
-            f"{n_units} and train.grad_dtype=fp32 where it fits, or plan=true to see this format's plan")
 
 
 @contextlib.contextmanager

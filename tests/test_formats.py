@@ -131,27 +131,25 @@ def test_low_precision_formats_learn_like_fp32(monkeypatch):
         assert abs(low[-1] - fp32[-1]) < 0.05 * fp32[-1], (name, low[-1], fp32[-1])
 
 
-def test_what_low_precision_formats_cannot_do_yet_is_refused(tmp_path):
-    """Precision never changes silently: GPU-streamed or host units and bf16 gradients in the streaming engine are
-    refused before anything is allocated; plan=true plans such a placement."""
-    from engine.config import ConfigError
+def test_a_format_plans_and_builds_with_streamed_units(tmp_path):
+    """plan=true shows a low-precision format's split; the trainer builds the streaming engine on it (no refusal:
+    GPU-streamed units and bf16 gradients run)."""
     from engine.trainer import Trainer
 
-    with pytest.raises(ConfigError, match=r"engine=stream train.master_dtype=fp32 train.moments_dtype=int8 .*keeps 2 "
-                                          r"of 6 units resident"):
-        Trainer(make_cfg(["engine=stream", "train.moments_dtype=int8", "engine.gpu_resident_units=2"]),
-                tmp_path / "stream")
-    with pytest.raises(ConfigError, match=r"keeps 6 of 6 units resident and holds bf16 gradients"):
-        Trainer(make_cfg(["engine=stream", "train.grad_dtype=bf16", "engine.gpu_resident_units=6"]),
-                tmp_path / "grads")
     Trainer(make_cfg(["engine=stream", "train.moments_dtype=int8", "plan=true"]), tmp_path / "plan")
+    trainer = Trainer(make_cfg(["engine=stream", "train.master_dtype=bf16", "train.moments_dtype=int8",
+                                "train.grad_dtype=bf16", "engine.gpu_resident_units=2", "train.steps=1"]),
+                      tmp_path / "run")
+    assert trainer.engine.streamed_units == [2, 3, 4, 5]
+    trainer.run()
 
 
 @pytest.mark.parametrize("engine, over", [
     ("reference", FORMATS["int8"]),
     ("stream", ["train.master_dtype=bf16", "train.moments_dtype=bf16", "engine.gpu_resident_units=5"]),
     ("stream", ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.moments_block_size=64",
-                "engine.gpu_resident_units=5"])])
+                "engine.gpu_resident_units=5"]),
+    ("stream", [*FORMATS["int8"], "engine.gpu_resident_units=2"])])
 def test_a_format_resumes_bit_exact(engine, over, tmp_path):
     """6 steps == 3, stop (checkpoint), resume, 3: the same losses and the same checkpointed state, bit for bit (the
     stochastic rounding is keyed by step, so a resumed run rounds as the uninterrupted one). A resume in another
@@ -196,36 +194,52 @@ def test_hf_export_of_a_format_casts_the_master(tmp_path):
     assert t.dtype == torch.float32 and torch.equal(t, t.bfloat16().float())  # bf16 values, written as fp32
 
 
-@pytest.mark.parametrize("name", ["bf16", "int8-fp32-grads"])
+STREAM_CASES = {  # format, placement of the 5 units (embedding, 3 layers, head)
+    "bf16-all-resident": [*FORMATS["bf16"], "engine.gpu_resident_units=5"],
+    "int8-fp32-grads-streamed": ["train.master_dtype=bf16", "train.moments_dtype=int8",
+                                 "train.moments_block_size=64", "engine.gpu_resident_units=2",
+                                 "engine.grads_tier=host"],
+    "int8-bf16-grads-all-streamed": [*FORMATS["int8"], "engine.gpu_resident_units=0", "engine.slots=2"],
+    "bf16-bf16-grads-streamed": ["train.master_dtype=bf16", "train.moments_dtype=bf16", "train.grad_dtype=bf16",
+                                 "engine.gpu_resident_units=3", "engine.grads_tier=gpu"],
+    "fp32-master-bf16-moments-kept": ["train.moments_dtype=bf16", "engine.gpu_resident_units=1",
+                                      "engine.keep_activation_layers=2"],
+}
+
+
+@pytest.mark.parametrize("name", STREAM_CASES)
 def test_the_streaming_engine_trains_a_format_as_the_plain_torch_run(name):
-    """engine=stream with every unit GPU-resident (on the CPU: the same schedule with stand-in streams) against
-    engine=reference in the same format: the same losses and the same master and moments, bit for bit, over four
-    steps with clipping active."""
+    """engine=stream (on the CPU: the same schedule with stand-in streams) in each place a format's unit can be
+    updated (GPU-resident, GPU-streamed through staging) with fp32 or bf16 held gradients, against engine=reference
+    in the same format: the same losses and the same master and moments, bit for bit, over four steps with clipping
+    active. After step 2 the state is read (which applies the pending streamed updates without a slot, so the next
+    forward loads those units' low-precision masters from host memory)."""
     from tests.test_engine_equivalence import build
 
-    over = {"bf16": FORMATS["bf16"],
-            "int8-fp32-grads": ["train.master_dtype=bf16", "train.moments_dtype=int8",
-                                "train.moments_block_size=64"]}[name]
-    over = [*over, "model.tie_word_embeddings=false", "train.grad_accum=2"]
+    over = [*STREAM_CASES[name], "model.tie_word_embeddings=false", "train.grad_accum=2"]
     engines = {}
     for engine in ("reference", "stream"):
-        extra = ["engine.gpu_resident_units=5"] if engine == "stream" else []
-        cfg, eng, data = build(engine, over + extra)
+        extra = [o for o in over if o.startswith("engine.")] if engine == "stream" else []
+        cfg, eng, data = build(engine, [o for o in over if not o.startswith("engine.")] + extra)
         t = cfg.train
         losses = []
         for step in range(4):
             batches = [data.batch("train", step * t.grad_accum + j, t.micro_batch_size) for j in range(t.grad_accum)]
             losses.append(eng.train_step(batches, optim.lr_at(step, t))["loss"])
+            if step == 1:
+                eng.master_weights()
         engines[engine] = (losses, eng)
     (losses_r, ref), (losses_s, stream) = engines["reference"], engines["stream"]
+    placement = [u for u in range(5) if u not in stream.resident_units]
+    assert stream.streamed_units == placement
     assert losses_r == losses_s
     opt_r, opt_s = ref.opt, stream.format_opt
+    assert ref.master_weights().keys() == stream.master_weights().keys()  # applies the pending updates
     for a, b in zip(opt_r.master + opt_r.m + opt_r.v, opt_s.master + opt_s.m + opt_s.v):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    if opt_r.scales:
-        for pair_r, pair_s in zip(opt_r.scales, opt_s.scales):
-            assert all(torch.equal(a, b) for a, b in zip(pair_r, pair_s))
-    assert ref.master_weights().keys() == stream.master_weights().keys()
+    if opt_r.m_scales:
+        for a, b in zip(opt_r.m_scales + opt_r.v_scales, opt_s.m_scales + opt_s.v_scales):
+            assert torch.equal(a, b)
     moments_r, moments_s = ref.adam_moments(), stream.adam_moments()
     assert moments_r.keys() == moments_s.keys() == ref.master_weights().keys()
     assert all(torch.equal(a, b) for k in moments_r for a, b in zip(moments_r[k], moments_s[k]))

@@ -324,6 +324,6 @@ def test_import_into_a_low_precision_format_rounds_to_nearest(engine, tmp_path):
             assert torch.equal(w, sd[name].bfloat16().float()), name
         opt = tr.engine.opt if engine == "reference" else tr.engine.format_opt
         assert opt.steps == [0] * len(tr.spec.units)
-        assert not any(t.any() for t in opt.m + opt.v) and not any(s.any() for pair in opt.scales for s in pair)
+        assert not any(t.any() for t in opt.m + opt.v) and not any(s.any() for s in opt.m_scales + opt.v_scales)
     finally:
         tr.engine.close()

@@ -37,11 +37,13 @@ embeddings the head reads the embedding slot's matrix and both gradients accumul
 accumulator (head first, then the lookup: the same sum as the reference, in a different order of the same terms,
 so tied models agree with the reference to fp32 rounding rather than bit for bit).
 
-Low-precision state formats (engine/formats.py) run so far with every unit GPU-resident and fp32 gradients: their
-master and moments live in the formats (`optim.FormatAdamW`), each unit is updated by the fused kernel
+Low-precision state formats (engine/formats.py) are updated on the GPU only (GPU-resident and GPU-streamed units;
+the planner gives none to the host): master and moments live in the formats, in HBM or in pinned host memory
+(`optim.FormatAdamW` over `optim.format_state_buffers`), each unit is updated by the fused kernel
 (engine/kernels/adamw_update.py, which applies the clip coefficient itself), and slots are filled from the
-low-precision master as from an fp32 one. GPU-streamed and host units and bf16 held gradients are refused by the
-trainer until they are wired.
+low-precision master as from an fp32 one. With bf16 gradients the layers accumulate in a shared fp32 pair and each
+unit's finished gradient is rounded stochastically into a bf16 copy held until its update (keyed as
+engine=reference keys it, so both engines round alike); the norms are taken of the rounded copies.
 
 On a CPU-only torch every stream and event is a synchronous stand-in (engine/device.py): same code, no overlap.
 """
@@ -57,12 +59,13 @@ import torch
 
 from engine import optim
 from engine.device import Device, autocast_ctx
-from engine.formats import StateFormat
+from engine.formats import GRAD_STREAM, StateFormat, update_seed
+from engine.kernels.grad_accum import to_bf16_stochastic
 from engine.model import ModelSpec
 from engine.optim import FlatAdamW
 from engine.streaming.activations import ActivationStore
 from engine.streaming.gradients import GradAccumulator
-from engine.streaming.host_store import HostStore
+from engine.streaming.host_store import HostStore, init_master
 from engine.streaming.slots import Slot, WeightLoader
 from engine.streaming.stall_timer import StallTimer
 from engine.streaming.streamed_update import StreamedUpdater
@@ -97,39 +100,39 @@ class StreamEngine:
         self.streamed_units = list(range(n_resident, min(n_units, n_resident + n_streamed)))
         self.host_units = list(range(n_resident + len(self.streamed_units), n_units))
         self.gpu_updated = self.resident_units | set(self.streamed_units)
-        self.store = HostStore(spec, pin=self.dev.cuda, grad_units=() if self.grads_on_gpu else self.host_units,
-                               grad_staging=2 if self.grads_on_gpu else 0, host_activation_numel=activation_numel,
-                               seed=cfg.seed, host_units=self.streamed_units + self.host_units,
-                               streamed_units=self.streamed_units)
-        layouts = self.store.layouts
-        self.master, self.m, self.v = list(self.store.master), list(self.store.m), list(self.store.v)
         self.fmt = StateFormat.of(t)
+        if not self.fmt.exact and self.host_units:
+            raise ValueError(f"{self.fmt.overrides()} is updated on the GPU only (the host AdamW runs fp32 state), "
+                             f"but the placement leaves units {self.host_units[0]}..{self.host_units[-1]} to it")
+        self.store = HostStore(spec, pin=self.dev.cuda, grad_units=() if self.grads_on_gpu else self.host_units,
+                               grad_staging=2 if self.grads_on_gpu and self.host_units else 0,
+                               host_activation_numel=activation_numel, seed=cfg.seed,
+                               host_units=self.streamed_units + self.host_units, streamed_units=self.streamed_units,
+                               fmt=self.fmt)
+        layouts = self.store.layouts
+        # each unit's state by name ("master", "m", "v"[, "m_scales", "v_scales"]): in the host store, or, for the
+        # GPU-resident units, in GPU memory, initialised in fp32 there and rounded to the format
+        states = [{name: self.store.state[name][u] for name in self.store.state} for u in range(n_units)]
         for u in sorted(self.resident_units):
-            self.master[u] = torch.zeros(layouts[u].numel, dtype=torch.float32, device=device)
-            spec.init_unit(spec.units[u], layouts[u].views(self.master[u]), cfg.seed)
-            if self.fmt.exact:
-                self.m[u] = torch.zeros_like(self.master[u])
-                self.v[u] = torch.zeros_like(self.master[u])
-        # a low-precision format (every unit GPU-resident so far): its state, rounded from the fp32 init above
-        self.format_opt = None
-        if not self.fmt.exact:
-            if len(self.resident_units) != n_units:
-                raise ValueError(f"{self.fmt.overrides()}: engine=stream runs low-precision formats with every unit "
-                                 "GPU-resident only so far")
-            self.format_opt = optim.FormatAdamW(layouts, self.fmt, t, cfg.seed, self.master)
-            self.master, self.m, self.v = self.format_opt.master, self.format_opt.m, self.format_opt.v
+            states[u] = optim.format_state_buffers(self.fmt, layouts[u].numel, device)
+            init_master(spec, spec.units[u], states[u]["master"], cfg.seed)
+        self.master, self.m, self.v = ([st[k] for st in states] for k in ("master", "m", "v"))
 
         self.h2d, self.d2h, self.opt_d2h = self.dev.new_stream(), self.dev.new_stream(), self.dev.new_stream()
         self.timer = StallTimer(self.dev)
         self.streamed = StreamedUpdater(self.dev, self.h2d, self.d2h, layouts, self.streamed_units,
-                                        {"master": self.master, "m": self.m, "v": self.v}, self.timer)
-        # a streamed unit's AdamW runs over its GPU staging views; the others' over their home buffers
-        opt_state = {"master": list(self.master), "m": list(self.m), "v": list(self.v)}
-        for u in self.streamed_units:
-            for which, view in self.streamed.state_views(u).items():
-                opt_state[which][u] = view
-        self.opt = FlatAdamW(layouts, opt_state["master"], opt_state["m"], opt_state["v"], t) \
-            if self.format_opt is None else None
+                                        {k: [st[k] for st in states] for k in states[0]}, self.timer)
+        # a streamed unit's update runs over its GPU staging views (fp32: the AdamW is built over them; a format:
+        # they are passed to each update), the others' over their own buffers
+        self.opt, self.format_opt = None, None
+        if self.fmt.exact:
+            opt_state = {"master": list(self.master), "m": list(self.m), "v": list(self.v)}
+            for u in self.streamed_units:
+                for which, view in self.streamed.state_views(u).items():
+                    opt_state[which][u] = view
+            self.opt = FlatAdamW(layouts, opt_state["master"], opt_state["m"], opt_state["v"], t)
+        else:
+            self.format_opt = optim.FormatAdamW(layouts, self.fmt, t, cfg.seed, states, device)
         self.loader = WeightLoader(self.dev, self.h2d, self.master, layouts, compute_dtype, self.timer)
         layer_layouts = [u.layout for u in spec.layer_units]
         self.embed_slot = self.loader.new_slot([layouts[0]])
@@ -149,10 +152,16 @@ class StreamEngine:
         fused = cfg.engine.fused_kernels
         self.acc: Dict[int, GradAccumulator] = {0: GradAccumulator(self.dev, layouts[0], fused),
                                              L + 1: GradAccumulator(self.dev, layouts[-1], fused)}
+        # bf16 gradients (a format's train.grad_dtype): every unit's gradient is held as a stochastically rounded
+        # bf16 copy until its update; the layers accumulate in fp32 in a shared pair, as with gradients on the host
+        self.held: Dict[int, GradAccumulator] = {}
+        if self.fmt.grad == "bf16":
+            self.held = {u: GradAccumulator(self.dev, layouts[u], fused, torch.bfloat16) for u in range(n_units)}
+        shared_layer_accs = not self.grads_on_gpu or self.held
         # GPU-updated layers need their own accumulators only when the other layers share a ring
-        self.device_accs = {} if self.grads_on_gpu else {
+        self.device_accs = {} if self.grads_on_gpu or self.held else {
             u: GradAccumulator(self.dev, layouts[u], fused) for u in sorted(self.gpu_updated) if 0 < u <= L}
-        n_layer_accs = L if self.grads_on_gpu else min(2, L)
+        n_layer_accs = min(2, L) if shared_layer_accs else L
         self.layer_accs = [GradAccumulator(self.dev, layer_layouts[0], fused) for _ in range(n_layer_accs)]
 
         self.norm_offsets, n_tensors = [], 0
@@ -225,7 +234,7 @@ class StreamEngine:
                 return
             self._wait_updated(unit)
             if unit in self.streamed.pending:
-                self.streamed.update(unit, self.opt, slot)
+                self.streamed.update(unit, self._streamed_step, slot)
             else:
                 self.loader.load(unit, slot, after=self.streamed.landed.get(unit))
             self.slot_version[id(slot)] = self.version
@@ -272,6 +281,14 @@ class StreamEngine:
         acc = self.acc.pop(unit) if unit not in (0, self.spec.num_layers + 1) else self.acc[unit]
         if grad_hook is not None:
             grad_hook(unit, acc.views)
+        if self.held:  # round into the unit's held bf16 copy, keyed as engine=reference keys it; free the accumulator
+            held = self.held[unit]
+            held.claim(self.timer, lambda: self._check_optimizer(f"reading the gradient of unit {unit}"))
+            opt = self.format_opt
+            to_bf16_stochastic(acc.flat, held.flat, update_seed(opt.seed, unit, opt.steps[unit] + 1) ^ GRAD_STREAM)
+            acc.hand_off()
+            acc.read_queued(None)
+            acc = held
         off = self.norm_offsets[unit]
         self.norms[off:off + len(acc.views)] = optim.tensor_norms(list(acc.views.values()))
         acc.hand_off()
@@ -484,11 +501,21 @@ class StreamEngine:
             self.updated[unit].set()
         self.last_optimizer_s = time.perf_counter() - start
 
+    def _streamed_step(self, unit: int, grad: torch.Tensor, views: Dict[str, torch.Tensor], coef: torch.Tensor,
+                       scale: bool, lr: float) -> None:
+        """A GPU-streamed unit's update over its staging views, queued on the current stream."""
+        if self.format_opt is not None:  # the fused kernel scales by the clip coefficient itself
+            self.format_opt.step_unit(unit, grad, coef, state=views)
+            return
+        if scale:
+            grad.mul_(coef)
+        self.opt.step_unit(unit, grad, lr)  # built over the views
+
     def wait_for_optimizer(self) -> None:
         """Block until the last step's update has been applied everywhere and all host state is home."""
         if self.pending is not None:
             self.pending.result()
-        self.streamed.flush(self.opt)
+        self.streamed.flush(self._streamed_step)
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[Batch]) -> float:
@@ -552,6 +579,11 @@ class StreamEngine:
             self.opt.set_step_count(index, step)
         self.version += 1  # slots hold stale weights now
 
+    def _state_tensors(self, unit: int) -> List[torch.Tensor]:
+        if self.format_opt is not None:
+            return list(self.format_opt.states[unit].values())
+        return [self.master[unit], self.m[unit], self.v[unit]]
+
     def memory_bytes(self) -> Dict[str, int]:
         out = {f"host_{k}": b for k, b in self.store.bytes_by_kind.items()}
         gpu = sum(s.cast.numel() * s.cast.element_size() + 4 * s.tail.numel()
@@ -560,8 +592,9 @@ class StreamEngine:
         out["device_slots"] = gpu
         accs = list({id(a): a for a in [*self.acc.values(), *self.layer_accs, *self.device_accs.values()]}.values())
         out["device_grad_accumulators"] = sum(4 * a.flat.numel() for a in accs)
-        out["device_optimizer_state"] = sum(self.format_opt.nbytes().values()) if self.format_opt else \
-            sum(12 * self.master[u].numel() for u in self.resident_units)
+        out["device_optimizer_state"] = sum(t.numel() * t.element_size() for u in self.resident_units
+                                            for t in self._state_tensors(u))
+        out["device_held_grads"] = sum(h.flat.numel() * h.flat.element_size() for h in self.held.values())
         out["device_streamed_state_staging"] = self.streamed.bytes
         return out
 

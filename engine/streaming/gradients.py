@@ -29,9 +29,11 @@ from engine.streaming.stall_timer import StallTimer
 
 
 class GradAccumulator:
-    def __init__(self, dev: Device, layout, fused: bool):
+    def __init__(self, dev: Device, layout, fused: bool, dtype: torch.dtype = torch.float32):
+        """`dtype` bf16: not an accumulator but a held gradient (a stochastically rounded copy of one, written
+        by the engine), with the same lending protocol."""
         self.dev, self.layout, self.fused = dev, layout, fused
-        self.flat = torch.zeros(layout.numel, dtype=torch.float32, device=dev.device)
+        self.flat = torch.zeros(layout.numel, dtype=dtype, device=dev.device)
         self.views = layout.views(self.flat)
         self.fresh = True  # next accumulation overwrites instead of adding
         self.read_done = dev.event()

@@ -8,8 +8,8 @@ two (a 91 GB request would take 128 GB), and the m/v of host-updated units are o
 pinning them would cost registration time for nothing (those of GPU-streamed units cross the link: pinned). On a
 CPU-only torch nothing is pinned and the layout is the same.
 
-Bytes: 12 per parameter (fp32 master, m, v) of the units whose state lives on the host (updated by the host AdamW or
-streamed to the GPU for their update), plus 4 per parameter for the gradients of host-updated units when the plan
+Bytes: the state format's bytes per parameter (engine/formats.py; fp32 master + m + v: 12) of the units whose state
+lives on the host (updated by the host AdamW or streamed to the GPU for their update), plus 4 per parameter for the gradients of host-updated units when the plan
 keeps them on the host, plus host-tier layer-input activations, plus a small pinned staging
 ring for gradients kept on the GPU. `bytes_by_kind` reports exactly what was allocated; the layout padding (tensors
 aligned to 64 elements) is included.
@@ -23,17 +23,33 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from engine.device import pin_host, unpin_host
+from engine.formats import StateFormat
 from engine.model import ModelSpec
+from engine.optim import state_shapes
+
+KIND_OF_STATE = {"master": "master", "m": "adam_m", "v": "adam_v", "m_scales": "adam_scales",
+                 "v_scales": "adam_scales"}
+
+
+def init_master(spec: ModelSpec, unit, flat: torch.Tensor, seed: int) -> None:
+    """A unit's initial weights into its flat master (host or GPU): drawn in fp32, rounded to nearest into a bf16
+    master; the alignment padding between tensors zero."""
+    init = flat if flat.dtype == torch.float32 else torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+    init.zero_()
+    spec.init_unit(unit, unit.layout.views(init), seed)
+    if init is not flat:
+        flat.copy_(init)
 
 
 class HostStore:
     def __init__(self, spec: ModelSpec, pin: bool, grad_units: Sequence[int], grad_staging: int,
                  host_activation_numel: int, seed: int, host_units: Optional[Sequence[int]] = None,
-                 streamed_units: Sequence[int] = (), init_threads: int = 8):
+                 streamed_units: Sequence[int] = (), init_threads: int = 8, fmt: Optional[StateFormat] = None):
         """`host_units`: the units whose state lives here (default all); the others get empty placeholders (their
         state lives in GPU memory, owned by the engine). `grad_units`: the units whose gradients wait here for the
-        global norm. `streamed_units`: units updated on the GPU from this state, whose moments cross the link too
-        and are therefore pinned like the master."""
+        global norm. `streamed_units`: units updated on the GPU from this state, whose moments (and int8 scales)
+        cross the link too and are therefore pinned like the master. `fmt`: the state format (default fp32); a
+        bf16 master is initialised in fp32 and rounded to nearest, as `optim.FormatAdamW.from_masters` does."""
         self.spec = spec
         self.layouts = [u.layout for u in spec.units]
         self.host_units = set(range(len(spec.units)) if host_units is None else host_units)
@@ -43,17 +59,23 @@ class HostStore:
         self.bytes_by_kind: Dict[str, int] = {}
         self.pinned: List[torch.Tensor] = []
 
-        self.master = self._split(self._alloc("master", sum(numels)), numels)
-        self.m = self._split(self._alloc("adam_m", sum(numels), zero=True), numels)
-        self.v = self._split(self._alloc("adam_v", sum(numels), zero=True), numels)
+        self.fmt = fmt or StateFormat("fp32", "fp32", "fp32")
+        self.state: Dict[str, List[torch.Tensor]] = {}  # "master", "m", "v"[, "m_scales", "v_scales"] -> per unit
+        shapes = [state_shapes(self.fmt, n) for n in numels]
+        for name, (_, dtype) in shapes[0].items() if shapes else ():
+            unit_numels = [sh[name][0] for sh in shapes]
+            arena = self._alloc(KIND_OF_STATE[name], sum(unit_numels), zero=name != "master", dtype=dtype)
+            self.state[name] = self._split(arena, unit_numels)
+        self.master, self.m, self.v = self.state["master"], self.state["m"], self.state["v"]
         to_pin: List[torch.Tensor] = []
         self.grads = None
         if grad_units:
             grad_numels = [n if i in set(grad_units) else 0 for i, n in enumerate(numels)]
             self.grads = self._split(self._alloc("grads", sum(grad_numels)), grad_numels)
             to_pin += self.grads  # one registration per unit: every copy stays inside one registered region
-        to_pin += [buf[u] for u in streamed_units for buf in (self.m, self.v)]
-        self.grad_staging = [self._alloc("grad_staging", max(numels)) for _ in range(grad_staging)]
+        to_pin += [self.state[name][u] for u in streamed_units for name in self.state if name != "master"]
+        host_updated = [n for u, n in enumerate(numels) if u not in set(streamed_units)]
+        self.grad_staging = [self._alloc("grad_staging", max(host_updated)) for _ in range(grad_staging)]
         to_pin += self.grad_staging
         self.activations = None
         if host_activation_numel:
@@ -61,22 +83,23 @@ class HostStore:
             to_pin.append(self.activations)
 
         def init_unit(unit) -> None:
-            flat = self.master[unit.index]
-            flat.zero_()  # the alignment padding between tensors
-            spec.init_unit(unit, unit.layout.views(flat), seed)
-            self._pin(flat)
+            init_master(spec, unit, self.master[unit.index], seed)
+            self._pin(self.master[unit.index])
 
         def touch_and_pin(t: torch.Tensor) -> None:
             t.zero_()
             self._pin(t)
 
+        if self.fmt.master != "fp32":  # each thread holds an fp32 copy of the unit it initialises
+            init_threads = min(init_threads, 4)
         with ThreadPoolExecutor(max_workers=init_threads) as pool:
             list(pool.map(init_unit, [u for u in spec.units if u.index in self.host_units]))
             list(pool.map(touch_and_pin, to_pin))
 
-    def _alloc(self, kind: str, numel: int, zero: bool = False) -> torch.Tensor:
-        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + 4 * numel
-        return torch.zeros(numel, dtype=torch.float32) if zero else torch.empty(numel, dtype=torch.float32)
+    def _alloc(self, kind: str, numel: int, zero: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = torch.zeros(numel, dtype=dtype) if zero else torch.empty(numel, dtype=dtype)
+        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + t.numel() * t.element_size()
+        return t
 
     @staticmethod
     def _split(arena: torch.Tensor, numels: List[int]) -> List[torch.Tensor]:

@@ -9,8 +9,9 @@ The host thread never blocks on the device inside a step, except on the host opt
 (a weight cannot be streamed before step t's update wrote it) and once per step on the gradient norm.
 
 A slot holds one unit as two buffers: the cast segment of its layout in the compute dtype and the fp32 tail
-(norms, biases, embedding). A load copies the unit's fp32 master from pinned host memory: the tail straight into the
-slot, the cast segment in chunks through one fp32 staging buffer, each chunk cast on the H2D stream (the cast is a
+(norms, biases, embedding). A load copies the unit's master from pinned host memory: a segment whose dtype the slot
+shares (the fp32 tail of an fp32 master, the cast segment of a bf16 master) straight into the slot, the other in
+chunks through one staging buffer of the master's dtype, each chunk cast on the H2D stream (the cast is a
 0.1%-of-the-copy-time kernel, so it does not need a stream of its own). Templates read the slot through views.
 """
 
@@ -24,7 +25,7 @@ from engine.device import Device
 from engine.model.layout import UnitLayout
 from engine.streaming.stall_timer import StallTimer
 
-STAGING_ELEMS = 64 * 2**20  # fp32 elements per H2D chunk of a cast segment (256 MiB)
+STAGING_ELEMS = 64 * 2**20  # elements per H2D chunk of a segment that is cast on arrival (256 MiB in fp32)
 
 
 class Slot:
@@ -46,17 +47,26 @@ class Slot:
 
 
 class WeightLoader:
-    """Brings units' fp32 master weights into GPU slots: from pinned host memory on the H2D stream, or, for units
-    whose master already lives on the GPU (optimizer state in HBM), by a cast on the compute stream, which is where
-    their update ran, so stream order alone makes the cast see the updated weights."""
+    """Brings units' master weights (fp32, or bf16 in a low-precision format) into GPU slots: from pinned host
+    memory on the H2D stream, or, for units whose master already lives on the GPU (optimizer state in HBM), by a cast
+    on the compute stream, which is where their update ran, so stream order alone makes the cast see the updated
+    weights."""
 
     def __init__(self, dev: Device, h2d_stream, masters: List[torch.Tensor], layouts: List[UnitLayout],
                  compute_dtype: torch.dtype, timer: StallTimer):
         self.dev, self.stream, self.masters, self.layouts, self.timer = dev, h2d_stream, masters, layouts, timer
         self.dtype = compute_dtype
-        streamed_cast = [lay.cast_numel for lay, m in zip(layouts, masters) if not self._on_device(m)]
-        biggest_cast = max(streamed_cast, default=0)
-        self.staging = dev.empty((min(biggest_cast, STAGING_ELEMS),), torch.float32) if biggest_cast else None
+        self.staging = None
+        host = [(lay, m) for lay, m in zip(layouts, masters) if not self._on_device(m)]
+        if host:
+            master_dtype = host[0][1].dtype
+            recast = [n for lay, _ in host for n, dtype in self._segments(lay) if dtype != master_dtype]
+            if max(recast, default=0):
+                self.staging = dev.empty((min(max(recast), STAGING_ELEMS),), master_dtype)
+
+    def _segments(self, layout: UnitLayout):
+        """(numel, slot dtype) of the cast segment and the tail."""
+        return [(layout.cast_numel, self.dtype), (layout.numel - layout.cast_numel, torch.float32)]
 
     def _on_device(self, master: torch.Tensor) -> bool:
         return self.dev.cuda and master.is_cuda
@@ -81,12 +91,16 @@ class WeightLoader:
             if resident or self.staging is None:
                 slot.fill(layout, master)
             else:
-                slot.tail[:tail_n].copy_(master[layout.cast_numel:], non_blocking=True)
-                for start in range(0, layout.cast_numel, self.staging.numel()):
-                    n = min(self.staging.numel(), layout.cast_numel - start)
-                    chunk = self.staging[:n]
-                    chunk.copy_(master[start:start + n], non_blocking=True)
-                    slot.cast[start:start + n].copy_(chunk)
+                for dst, src in ((slot.cast[:layout.cast_numel], master[:layout.cast_numel]),
+                                 (slot.tail[:tail_n], master[layout.cast_numel:])):
+                    if dst.dtype == src.dtype:
+                        dst.copy_(src, non_blocking=True)
+                        continue
+                    for start in range(0, src.numel(), self.staging.numel()):
+                        n = min(self.staging.numel(), src.numel() - start)
+                        chunk = self.staging[:n]
+                        chunk.copy_(src[start:start + n], non_blocking=True)
+                        dst[start:start + n].copy_(chunk)
             slot.ready.record(stream)
         slot.unit = unit
 

@@ -1,17 +1,24 @@
 """The GPU-streamed update place (DESIGN.md §4): a unit whose optimizer state lives in host RAM, updated on the GPU.
 
 Such a unit's update of step t runs when step t+1's forward loads it, in place of the plain weight load:
-1. on the H2D stream, its fp32 master, m and v come into one of two GPU staging buffers (after the D2H that emptied
-   that buffer, and after the D2H that wrote this unit's state home the last time);
+1. on the H2D stream, its master, m and v (and int8 moments' scales) come into one of two GPU staging buffers
+   (after the D2H that emptied that buffer, and after the D2H that wrote this unit's state home the last time);
 2. on the same stream, behind the event recorded when the step's gradient norm and clip coefficient were known, the
-   gradient (kept in its GPU accumulator since the backward) is scaled and the unit is updated by the same fused
-   CUDA AdamW the reference runs, over views of the staging buffer (exact);
+   unit is updated over views of the staging buffer by the engine's `step` function: the fused CUDA AdamW the
+   reference runs on the clipped gradient (fp32 state, exact), or the fused format kernel, which clips itself
+   (engine/kernels/adamw_update.py);
 3. still on the H2D stream, the fresh master is cast into the unit's weight slot (bf16 cast segment, fp32 tail):
    no second H2D of the unit's weights;
-4. on the D2H stream, master, m and v go back to their pinned home; that copy frees the staging buffer.
-Cost per parameter: 12 B over H2D instead of the 4 B of a plain load, 12 B over D2H, about 28 B of HBM traffic for
-the AdamW kernel (milliseconds per layer), no CPU time. GPU memory: two staging buffers of 12 B/param of the largest
-streamed unit, and the unit's 4 B/param gradient accumulator, held from its backward to its next forward.
+4. on the D2H stream, the state goes back to its pinned home; that copy frees the staging buffer.
+Cost per parameter in fp32 state: 12 B over H2D instead of the 4 B of a plain load, 12 B over D2H, about 28 B of
+HBM traffic for the AdamW kernel (milliseconds per layer), no CPU time; a format moves its own bytes per parameter
+(bf16 master + int8 moments: 4 B each way). GPU memory: two staging buffers of the largest streamed unit's state,
+and the unit's gradient (its fp32 accumulator, or the bf16 copy held for it), from its backward to its next forward.
+
+The format kernel reads the learning rate from a device scalar that the engine refills at the end of every step on
+the compute stream. That refill cannot overtake a queued update's read: every streamed update of step t is queued
+during step t+1's forward, whose compute waits on the slot it fills (or, without a slot, `flush` waits for it on
+the host), and the next refill follows that forward on the compute stream.
 
 Only events order the work: the host never waits for the device here. The staging buffer a unit uses is fixed by its
 rank among the streamed units (rank % 2), so each unit's AdamW (its parameter views and step counters) is built once.
@@ -34,27 +41,41 @@ from engine.streaming.stall_timer import StallTimer
 N_STAGES = 2
 
 
-class StateStage:
-    """One GPU staging buffer for a unit's fp32 master, m and v, and the event that frees it."""
+ALIGN_BYTES = 256  # each state tensor's view in a staging buffer starts on this boundary
 
-    def __init__(self, dev: Device, numel: int):
-        self.flat = dev.empty((3 * numel,), torch.float32)
-        self.numel = numel
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+class StateStage:
+    """One GPU staging buffer (raw bytes) for a unit's state tensors, and the event that frees it."""
+
+    def __init__(self, dev: Device, nbytes: int):
+        self.raw = dev.empty((nbytes,), torch.uint8)
         self.free = dev.event()
 
-    def part(self, which: int, numel: int) -> torch.Tensor:
-        return self.flat[which * self.numel:which * self.numel + numel]
+    def views(self, homes: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Views of this buffer with the dtypes and sizes of `homes`, one after the other."""
+        out, offset = [], 0
+        for home in homes:
+            nbytes = home.numel() * home.element_size()
+            out.append(self.raw[offset:offset + nbytes].view(home.dtype))
+            offset += _aligned(nbytes)
+        return out
 
 
 class StreamedUpdater:
     def __init__(self, dev: Device, h2d_stream, d2h_stream, layouts: List[UnitLayout], units: Sequence[int],
                  homes: Dict[str, List[torch.Tensor]], timer: StallTimer):
-        """`homes`: "master", "m", "v" -> per-unit pinned host buffers (the streamed units' entries are used)."""
+        """`homes`: state name ("master" first, then "m", "v", ...) -> per-unit pinned host buffers (the streamed
+        units' entries are used)."""
         self.dev, self.h2d, self.d2h, self.layouts, self.timer = dev, h2d_stream, d2h_stream, layouts, timer
         self.units = list(units)
         self.homes = homes
-        numel = max((layouts[u].numel for u in self.units), default=0)
-        self.stages = [StateStage(dev, numel) for _ in range(min(N_STAGES, len(self.units)))]
+        nbytes = max((sum(_aligned(h[u].numel() * h[u].element_size()) for h in homes.values()) for u in self.units),
+                     default=0)
+        self.stages = [StateStage(dev, nbytes) for _ in range(min(N_STAGES, len(self.units)))]
         self.stage_of = {u: self.stages[rank % len(self.stages)] for rank, u in enumerate(self.units)}
         self.landed: Dict[int, object] = {}  # unit -> event: its state is back home
         self.pending: Dict[int, GradAccumulator] = {}  # units whose update of the last step has not run yet
@@ -64,13 +85,13 @@ class StreamedUpdater:
         self.grads_final = None
 
     def state_views(self, unit: int) -> Dict[str, torch.Tensor]:
-        """The GPU views the unit's AdamW is built over (they alias its staging buffer)."""
-        stage, n = self.stage_of[unit], self.layouts[unit].numel
-        return {"master": stage.part(0, n), "m": stage.part(1, n), "v": stage.part(2, n)}
+        """The unit's state by name as GPU views of its staging buffer (what its update runs over)."""
+        names = list(self.homes)
+        return dict(zip(names, self.stage_of[unit].views([self.homes[k][unit] for k in names])))
 
     @property
     def bytes(self) -> int:
-        return sum(4 * s.flat.numel() for s in self.stages)
+        return sum(s.raw.numel() for s in self.stages)
 
     def submit(self, grads: Dict[int, GradAccumulator], coef: torch.Tensor, scale: bool, lr: float) -> None:
         """After the backward of a step that is not skipped: the streamed units' updates are due. Records the event
@@ -83,13 +104,15 @@ class StreamedUpdater:
         self.pending = {u: grads[u] for u in self.units}
         self.coef, self.scale, self.lr = coef, scale, lr
 
-    def update(self, unit: int, opt, slot: Optional[Slot]) -> None:
-        """Queue unit's update (and, with a slot, the cast of its fresh weights into it); see the module doc."""
+    def update(self, unit: int, step, slot: Optional[Slot]) -> None:
+        """Queue unit's update (and, with a slot, the cast of its fresh weights into it); see the module doc.
+        `step(unit, grad, views, coef, scale, lr)` queues the update itself, on the current stream, over `views`
+        (`state_views(unit)`)."""
         acc = self.pending.pop(unit)
         layout, stage = self.layouts[unit], self.stage_of[unit]
-        n = layout.numel
-        parts = [stage.part(i, n) for i in range(3)]
-        homes = [self.homes[k][unit] for k in ("master", "m", "v")]
+        views = self.state_views(unit)
+        parts = list(views.values())
+        homes = [self.homes[k][unit] for k in views]
         with self.dev.on(self.h2d), self.timer.busy(self.h2d, "h2d"):
             self.dev.wait_event(self.h2d, stage.free)
             if unit in self.landed:
@@ -97,13 +120,11 @@ class StreamedUpdater:
             for part, home in zip(parts, homes):
                 part.copy_(home, non_blocking=True)
             self.dev.wait_event(self.h2d, self.grads_final)
-            if self.scale:
-                acc.flat.mul_(self.coef)
-            opt.step_unit(unit, acc.flat, self.lr)
+            step(unit, acc.flat, views, self.coef, self.scale, self.lr)
             acc.read_queued(self.h2d)
             if slot is not None:
                 self.dev.wait_event(self.h2d, slot.free)
-                slot.fill(layout, parts[0])
+                slot.fill(layout, views["master"])
                 slot.ready.record(self.h2d)
             updated = self.dev.event()
             updated.record(self.h2d)
@@ -123,9 +144,9 @@ class StreamedUpdater:
         for u in self.units:
             grads[u].release_unread()
 
-    def flush(self, opt) -> None:
+    def flush(self, step) -> None:
         """Apply every pending update now (no cast) and wait until all state is home."""
         for unit in sorted(self.pending):
-            self.update(unit, opt, None)
+            self.update(unit, step, None)
         for ev in self.landed.values():
             ev.synchronize()
