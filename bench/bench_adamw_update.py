@@ -169,6 +169,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--numel", type=int, default=None, help="one synthetic unit of this many elements instead")
     ap.add_argument("--sweep", action="store_true", help="also time other TILE / num_warps configurations")
+    ap.add_argument("--configs", help="time these TILE x num_warps configurations instead, e.g. 256x2,512x4")
     ap.add_argument("--cpu", action="store_true", help="run the logic on CPU under the Triton interpreter "
                                                        "(tiny --numel; times mean nothing)")
     args = ap.parse_args()
@@ -183,6 +184,8 @@ def main() -> None:
     from engine.metrics import run_environment
 
     configs = SWEEP if args.sweep else [(A.TILE_GPU, A.NUM_WARPS_GPU)]
+    if args.configs:
+        configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
     default = (A.TILE_GPU, A.NUM_WARPS_GPU)
     if args.numel is not None:
         units = [(f"numel={args.numel}", args.numel, [(0, args.numel * 3 // 4, 0.1),
