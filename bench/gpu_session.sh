@@ -21,6 +21,9 @@ for stage in "$@"; do
     adamw) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 200 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
              tests/kernels/test_adamw_update.py > "$OUT/gpu_adamw_tests.log" 2>&1; tail -12 "$OUT/gpu_adamw_tests.log"
            timeout 240 python3 bench/bench_adamw_update.py --sweep --out "$OUT/adamw_update.jsonl" 2>&1 | tail -40 ;;
+    adamwcheck) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 200 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+                  tests/kernels/test_adamw_update.py > "$OUT/gpu_adamw_tests.log" 2>&1; tail -4 "$OUT/gpu_adamw_tests.log"
+                timeout 200 python3 bench/bench_adamw_update.py --out "$OUT/adamw_update.jsonl" 2>&1 | tail -20 ;;
     adamwsmall) timeout 280 python3 bench/bench_adamw_update.py --models qwen7b,qwen32b \
                   --configs 256x1,256x2,512x2,512x4,1024x4,1024x8,2048x8,2048x16 --out "$OUT/adamw_update.jsonl" \
                   2>&1 | tail -3 ;;

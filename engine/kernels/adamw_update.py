@@ -24,19 +24,18 @@ Formats (master x moments, any combination; grad fp32 or bf16):
   depends only on (seed, offset + i). The update uses the fp32 moments before rounding, as torch's bf16 path.
   `offset` must be a multiple of 8 so that a tile's 8-element Philox groups line up with its elements.
 - int8 moments (m int8, v uint8, fp32 scales, one per `block_size` elements, block j = [j * bs, (j + 1) * bs)):
-  8-bit floats normalised by the block's absmax, decoded with the old scale and re-encoded with a new one
-  (scale = absmax / top code value). m: sign + e4m3 magnitude; v: unsigned e5m3 (v >= 0 needs no sign bit, so
-  its exponent gets a bit more). e = exponent field, f = mantissa: e >= 1 encodes 2**(e - emax) * (1 + f / 8),
-  e == 0 encodes f * 2**(1 - emax - 3) (subnormals), emax = 2**E - 1; the top code is 1.875. Nearest rounding
-  (ties away from zero, deterministic) gives a relative error <= 2**-4 for normalised values >= 2**(1 - emax)
-  and an absolute error <= 2**(-emax - 3) * scale below (v: 2**(-emax - 2) * scale, see below): m keeps 18
-  binades below its block's max, v 34 (a gradient 2**-17 of its block's largest still has a non-zero v code).
-  Why not linear absmax codes: a v far below its block's max would round to 0 and its update
-  m / (sqrt(0) + eps) would explode. For the same reason a positive v never encodes to 0: it rounds up to the
-  smallest code at worst (its update shrinks, it never explodes).
-  Encoding is integer arithmetic on the fp32 bits, decoding builds the bits: exact on every device. A program
-  owns whole blocks (a tile of [rows, block_size]) so it computes each new absmax in registers. A block may span
-  segments of different weight decay: decay is per element.
+  8-bit floats normalised by the block's absmax, decoded with the old scale and re-encoded with a new one (scale =
+  absmax / top code value; a value is normalised as |x| * fp32(1 / scale), one division per block). m: sign + e4m3
+  magnitude; v: unsigned e5m3 (v >= 0 needs no sign bit, so its exponent gets a bit more). e = exponent field, f =
+  mantissa: e >= 1 encodes 2**(e - emax) * (1 + f / 8), e == 0 encodes f * 2**(1 - emax - 3) (subnormals), emax =
+  2**E - 1; the top code is 1.875. Nearest rounding (ties away from zero, deterministic) gives a relative error <=
+  2**-4 for normalised values >= 2**(1 - emax) and an absolute error <= 2**(-emax - 3) * scale below (v: 2**(-emax -
+  2) * scale, see below): m keeps 18 binades below its block's max, v 34 (a gradient 2**-17 of its block's largest
+  still has a non-zero v code). Why not linear absmax codes: a v far below its block's max would round to 0 and its
+  update m / (sqrt(0) + eps) would explode. For the same reason a positive v never encodes to 0: it rounds up to the
+  smallest code at worst (its update shrinks, it never explodes). Encoding is integer arithmetic on the fp32 bits,
+  decoding builds the bits: exact on every device. A program owns whole blocks (a tile of [rows, block_size]) so it
+  computes each new absmax in registers. A block may span segments of different weight decay: decay is per element.
 
 Segments: `(start, numel, weight_decay)` tiling [0, numel) in order. Adjacent segments of equal decay are merged
 (a decoder layer becomes two runs: its matrices, then its vectors) into a device table of run starts and decays,
@@ -82,12 +81,18 @@ MOMENT_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, t
 MOMENTS_FP32, MOMENTS_BF16, MOMENTS_INT8 = 0, 1, 2
 BLOCK_SIZE_RANGE = formats.BLOCK_SIZE_RANGE  # int8 block sizes: powers of two in this range
 
-# Elements per program (a multiple of the int8 block size, or one block when that is larger). Fixed, not autotuned:
-# the H200 sweep of 2026-12-04 (bench/results/adamw_update_h200_2026-12-04.jsonl, --sweep) found 1024 elements on
-# 4 warps the fastest or within 1% of it in every format at qwen7b/32b/72b layer sizes (fp32 state 0.98 of the
-# device-to-device copy rate, bf16 + int8 0.49-0.50; 2048 on 8 warps, the earlier choice, 0.96 and 0.40).
+# Elements per program and warps, fixed from H200 sweeps (bench/bench_adamw_update.py --sweep / --configs), not
+# autotuned. Without int8 moments: 1024 elements on 4 warps, the fastest or within 1% of it in every such format at
+# qwen7b/32b/72b layer sizes (bench/results/adamw_update_h200_2026-12-04.jsonl: fp32 state 0.98 of the device-to-
+# device copy rate; fewer than 8 elements per thread loses up to 0.2 with bf16 state). With int8 moments: one warp
+# per 256 elements of a block (8 per thread), a block never split across warps, so its absmax reduction stays in
+# the warp: 256 elements on 1 warp gave 0.66-0.67 (fp32 master) and 0.54 (bf16 master) against 0.55 and 0.49-0.50
+# for 1024 on 4 warps (adamw_update_h200_2026-12-04e.jsonl).
 TILE_GPU = 1024
 NUM_WARPS_GPU = 4
+INT8_ELEMS_PER_WARP = 256
+MAX_WARPS = 16
+SWEEP_OVERRIDE: Optional[Tuple[int, int]] = None  # (tile, num_warps) for every format: benchmark sweeps only
 TILE_INTERPRET = 8192  # the interpreter pays per program
 
 
@@ -165,8 +170,9 @@ def _block_scale(val, TOP: tl.constexpr):
 
 @triton.jit
 def _normalised(val, scale):
-    safe = tl.where(scale > 0, scale, 1.0)[:, None, None]
-    return tl.math.div_rn(tl.abs(val), safe)
+    """|val| / scale as |val| * (1 / scale): one correctly rounded division per block instead of one per element."""
+    inv = tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0))[:, None, None]
+    return tl.abs(val) * inv
 
 
 @triton.jit
@@ -371,8 +377,15 @@ def layout_segments(layout, weight_decay: float) -> List[Tuple[int, int, float]]
 
 def launch_config(device: torch.device, block_size: Optional[int]) -> Tuple[int, int, int]:
     """(R, G, num_warps) of the [R, G, 8] tile: G * 8 = the int8 block size (R blocks per program), else R = 1."""
-    tile = TILE_GPU if device.type == "cuda" else TILE_INTERPRET
-    num_warps = NUM_WARPS_GPU if device.type == "cuda" else 1
+    if device.type != "cuda":
+        tile, num_warps = TILE_INTERPRET, 1
+    elif SWEEP_OVERRIDE is not None:
+        tile, num_warps = SWEEP_OVERRIDE
+    elif block_size is None:
+        tile, num_warps = TILE_GPU, NUM_WARPS_GPU
+    else:
+        num_warps = max(1, min(MAX_WARPS, block_size // INT8_ELEMS_PER_WARP))
+        tile = max(block_size, INT8_ELEMS_PER_WARP)
     if block_size is None:
         return 1, tile // 8, num_warps
     return max(1, tile // block_size), block_size // 8, num_warps

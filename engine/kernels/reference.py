@@ -312,8 +312,8 @@ def _quantize_blocks(val: torch.Tensor, block_size: int, signed: bool):
     padded[:n] = val
     blocks = padded.view(n_blocks, block_size)
     scale = blocks.abs().amax(dim=1) / top  # amax propagates NaN, like the kernel
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    x = blocks.abs() / safe[:, None]
+    inv = 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale))  # one division per block, as the kernel
+    x = blocks.abs() * inv[:, None]
     code = code_encode_reference(x, e_bits, m_bits)
     if signed:
         code = torch.where((blocks < 0) & (code > 0), code + 128, code)

@@ -1,4 +1,4 @@
-"""Host-resident training state: per-unit flat fp32 master weights, Adam m and v, and host-tier buffers.
+"""Host-resident training state: per-unit flat master weights, Adam m and v (in the run's state format), and host-tier buffers.
 
 Everything lives in one host arena allocated once, carved into aligned per-unit views. Only the parts that cross
 the PCIe link asynchronously (master weights streamed H2D, gradients and kept activations landing D2H) need page-locked
@@ -9,10 +9,10 @@ pinning them would cost registration time for nothing (those of GPU-streamed uni
 CPU-only torch nothing is pinned and the layout is the same.
 
 Bytes: the state format's bytes per parameter (engine/formats.py; fp32 master + m + v: 12) of the units whose state
-lives on the host (updated by the host AdamW or streamed to the GPU for their update), plus 4 per parameter for the gradients of host-updated units when the plan
-keeps them on the host, plus host-tier layer-input activations, plus a small pinned staging
-ring for gradients kept on the GPU. `bytes_by_kind` reports exactly what was allocated; the layout padding (tensors
-aligned to 64 elements) is included.
+lives on the host (updated by the host AdamW or streamed to the GPU for their update), plus 4 per parameter for the
+gradients of host-updated units when the plan keeps them on the host, plus host-tier layer-input activations, plus a
+small pinned staging ring for the host-updated units' gradients kept on the GPU. `bytes_by_kind` reports exactly
+what was allocated; the layout padding (tensors aligned to 64 elements) is included.
 """
 
 from __future__ import annotations
