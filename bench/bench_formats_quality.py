@@ -32,7 +32,8 @@ LABELS = {"fp32": "fp32 master + moments + grads", "bf16": "bf16 master + bf16 m
 
 
 def recipe(args) -> list:
-    return [f"model={args.model}", "engine=reference", "data=stdlib", f"train.seq_len={args.seq_len}",
+    return [f"seed={args.seed}", f"model={args.model}", "engine=reference", "data=stdlib",
+            f"train.seq_len={args.seq_len}",
             f"train.micro_batch_size={args.micro_batch_size}", "train.grad_accum=1", f"train.steps={args.steps}",
             f"train.lr={args.lr}", f"train.warmup_steps={args.warmup_steps}", f"train.val_every={args.val_every}",
             "train.val_batches=8", "train.log_every=10", "logger=none"]
@@ -71,7 +72,7 @@ def run(args) -> None:
         log.close()
     rows = {}
     for name, (proc, _) in procs.items():
-        row = {"bench": "formats_quality", "format": name, "overrides": recipe(args) + FORMATS[name],
+        row = {"bench": "formats_quality", "format": name, "seed": args.seed, "overrides": recipe(args) + FORMATS[name],
                "returncode": proc.returncode, "tokens_per_step": args.seq_len * args.micro_batch_size, **meta}
         row.update(read_run(workdir / name))
         if not row["val_curve"]:
@@ -103,12 +104,14 @@ def plot(rows_path: Path, png: Path) -> None:
         if row.get("val_curve"):
             steps, losses = zip(*row["val_curve"][1:])  # from the first validation after step 0 (12 nats there)
             tokens_m = [s * row["tokens_per_step"] / 1e6 for s in steps]
-            ax.plot(tokens_m, losses, marker=".", label=f"{LABELS[row['format']]}: x{row['ratio_vs_fp32']:.4f} of "
-                                                        f"fp32 at step {row['compared_at_step']}")
+            ax.plot(tokens_m, losses, marker=".", label=f"{LABELS[row['format']]}, seed {row.get('seed', 0)}: "
+                                                        f"x{row['ratio_vs_fp32']:.4f} of fp32 at step "
+                                                        f"{row['compared_at_step']}")
     first = rows[0]
     ax.set_xlabel("tokens (M)")
     ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(f"state formats, {first['overrides'][0]}, {first['gpu']}, git {first['git_sha']}")
+    model = next(o for o in first["overrides"] if o.startswith("model="))
+    ax.set_title(f"state formats, {model}, {first['gpu']}, git {first['git_sha']}")
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +123,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results/formats_quality.jsonl"))
     ap.add_argument("--workdir", default="runs/quality")
     ap.add_argument("--model", default="qwen0_5b")
+    ap.add_argument("--seed", type=int, default=0, help="model init and data order of every run")
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch-size", type=int, default=16)

@@ -63,6 +63,10 @@ for stage in "$@"; do
                   --workdir /tmp/bench --timeout-s 400 2>&1 | tail -4 ;;
     capacity32) timeout 580 python3 bench/bench_engine.py --grid capacity18 --only qwen32b --out "$OUT/engine.jsonl" \
                   --workdir /tmp/bench --timeout-s 560 2>&1 | tail -4 ;;
+    quality1) timeout 585 python3 bench/bench_formats_quality.py --steps 490 --val-every 49 --timeout-s 570 \
+                --seed 1 --formats fp32 bf16 --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" 2>&1 | tail -5
+              mkdir -p "$OUT/quality"; for f in /tmp/quality/*.log; do cp "$f" "$OUT/quality/"; done
+              for d in /tmp/quality/*/; do cp "$d/metrics.jsonl" "$OUT/quality/$(basename "$d").metrics.jsonl"; done ;;
     quality) timeout 585 python3 bench/bench_formats_quality.py --steps 490 --val-every 49 --timeout-s 570 \
                --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" 2>&1 | tail -5
              mkdir -p "$OUT/quality"; for f in /tmp/quality/*.log; do cp "$f" "$OUT/quality/"; done

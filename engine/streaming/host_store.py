@@ -1,4 +1,4 @@
-"""Host-resident training state: per-unit flat master weights, Adam m and v (in the run's state format), and host-tier buffers.
+"""Host-resident training state: per-unit flat master weights and Adam moments in the state format, host-tier buffers.
 
 Everything lives in one host arena allocated once, carved into aligned per-unit views. Only the parts that cross
 the PCIe link asynchronously (master weights streamed H2D, gradients and kept activations landing D2H) need page-locked
