@@ -126,6 +126,14 @@ GRIDS = {
         ("qwen14b-stream-64k-bf16-int8", ["+experiment=qwen14b_h200", "data=stdlib", "train.steps=5"]),
         ("qwen32b-stream-16k-bf16-int8", ["+experiment=qwen32b_h200", "data=stdlib", "train.steps=5"]),
     ],
+    # issue 5: qwen7b, one sequence per step, the Triton attention (train.attention=auto) and SDPA side by side
+    "context5": [
+        (f"qwen7b-stream-ctx{T // 1024}k{suffix}",
+         ["model=qwen7b", "engine=stream", *THROUGHPUT, f"train.seq_len={T}", "model.max_position_embeddings=524288",
+          "train.micro_batch_size=1", "train.grad_accum=1", f"train.steps={steps}", *extra])
+        for T, steps, suffix, extra in [(8192, 5, "", []), (32768, 4, "", []), (32768, 4, "-sdpa", ["train.attention=sdpa"]),
+                                        (131072, 3, "", [])]
+    ],
     # issue 3: the same model on a GPU capped at 24 GB (host RAM limits this one to 16K tokens per step)
     "rtx3090": [
         ("qwen7b-stream-rtx3090-16k", ["model=qwen7b", "engine=stream", "hardware=rtx3090", "hardware.other_card=true",
@@ -179,6 +187,7 @@ def run_job(name: str, overrides: list, workdir: Path, timeout_s: int) -> dict:
         "losses": [s.get("loss") for s in steps], "initial_val_loss": summary.get("initial_val_loss"),
         "final_val_loss": summary.get("final_val_loss"), "placement": cfg.get("plan_placement"),
         "skipped_steps": summary.get("skipped_steps"),
+        "attention": summary.get("attention"), "mlp_chunk_tokens": summary.get("mlp_chunk_tokens"),
         "state_format": {k: t.get(k) for k in ("master_dtype", "moments_dtype", "grad_dtype", "moments_block_size")},
         "plan_step_s": (summary.get("plan_times_s") or {}).get("step"),
         # the predicted peak of tensor memory, the figure `gpu_mem_gib` measures (the budget adds the reserve)

@@ -77,6 +77,8 @@ from engine.device import autocast_ctx, pin_host, resolve_compute_dtype, unpin_h
 from engine.fileio import atomic_write
 from engine.metrics import host_rss_gib, model_flops_per_token, run_environment
 from engine.model import ModelSpec, Unit
+from engine.model.attention import resolve_attention
+from engine.model.dense import LayerCompute
 from engine.optim import make_adamw
 
 GIB = 2**30
@@ -231,6 +233,8 @@ def bind_unit(spec: ModelSpec, unit: Unit, device: torch.device, compute_dtype: 
 def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, device: torch.device,
                  compute_dtype: torch.dtype) -> dict[str, float]:
     spec = ModelSpec(model_cfg)
+    # the attention backend a run picks by default (train.attention=auto), at the calibration's length: unchunked
+    spec.set_layer_compute(LayerCompute(attention=resolve_attention("auto", device.type, spec.arch.head_dim)))
     if mode == "compiled":
         log("compiled: each measurement's first call compiles what it runs (seconds each on an H200)")
         spec.compile_templates()

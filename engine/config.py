@@ -117,6 +117,12 @@ class TrainConfig:
     # the LM head + cross-entropy fused in a Triton kernel, no logits recomputed (engine/kernels/cross_entropy.py):
     # auto (on CUDA) | on | off (the chunked torch chain, logits recomputed in the backward)
     fused_loss: str = "auto"
+    # attention backend (engine/model/attention.py): auto (triton on CUDA where it applies, else sdpa) | triton | sdpa
+    # | flash_attn; a backend asked for that cannot run is an error, never a quiet switch
+    attention: str = "auto"
+    # the MLP block in token chunks, each recomputed in the backward (engine/model/dense.py): -1 auto (32K-token chunks
+    # when a micro-batch holds more than 64K tokens), 0 off, N tokens per chunk
+    mlp_chunk_tokens: int = -1
     log_every: int = 1
     val_every: int = 25  # 0: validate only at the end
     val_batches: int = 8
@@ -502,6 +508,10 @@ def _validate_train(cfg: DictConfig) -> None:
     _choice("train.compute_dtype", t.compute_dtype, ("auto", "bf16", "fp32"))
     _choice("train.compile", t.compile, ("auto", "on", "off"))
     _choice("train.fused_loss", t.fused_loss, ("auto", "on", "off"))
+    _choice("train.attention", t.attention, ("auto", "triton", "sdpa", "flash_attn"))
+    if t.mlp_chunk_tokens < -1:
+        raise ConfigError(f"train.mlp_chunk_tokens={t.mlp_chunk_tokens} is not valid; use -1 (auto), 0 (off) or a "
+                          "positive number of tokens per chunk")
     if t.resume not in ("none", "auto") and not os.path.isdir(os.path.expanduser(t.resume)):
         raise ConfigError(f"train.resume={t.resume!r} is not valid; use none, auto, or an existing checkpoint "
                           "directory (a run dir or its checkpoints/step_<N>)")

@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Tuple
 from engine.formats import StateFormat, all_formats
 from engine.metrics import model_flops_per_token
 from engine.model.attention import HAVE_FLASH_ATTN
+from engine.model.dense import resolve_mlp_chunk_tokens
 
 GIB = 2**30
 HBM_ADAMW_BYTES_PER_S = 3.0e12  # fused CUDA AdamW: ~28 B/param of HBM traffic at about 3 TB/s
@@ -118,36 +119,55 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def layer_activation_bytes_per_token(spec, compute_bytes: int, compiled: bool = True) -> int:
+def layer_activation_bytes_per_token(spec, compute_bytes: int, compiled: bool = True, mlp: bool = True) -> int:
     """Bytes per token one decoder layer's autograd graph keeps (the tensors saved-tensor hooks list around
     `decoder_layer` under autocast; the layer input itself is counted with the layer-input activations).
+    `mlp=False`: without the MLP block's share (a chunked MLP keeps only its chunk inputs, which are the residual
+    after attention, counted either way).
 
     Compiled (the partitioner keeps what the backward needs, in the compute dtype where it can): the two RMSNorm
     reciprocals and normed inputs, roped q and k, v, the attention output and its log-sum-exp, the residual after
     attention (fp32), gate, up and their product; with qk-norm, q and k before it and its reciprocals.
     Eager saves more (1.5-1.8x; tests/test_plan.py measures it on the CPU under bf16 autocast): each RMSNorm keeps
     its fp32 output, and each of the five projections of a normed input (q, k, v, gate, up) keeps its own autocast
-    copy of it; SwiGLU keeps silu(gate) as well; SDPA keeps its output and the o_proj keeps the transposed copy; qk-norm keeps its fp32 upcast of q and k."""
+    copy of it; SwiGLU keeps silu(gate) as well; SDPA keeps its output and the o_proj keeps the transposed copy;
+    qk-norm keeps its fp32 upcast of q and k."""
     a = spec.arch
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
     fp32 = 4
-    shared = (fp32 * 2  # the norms' reciprocals
+    shared = (fp32  # the input norm's reciprocal
               + compute_bytes * (q + 2 * kv)  # roped q, k and v
               + compute_bytes * q + fp32 * a.heads  # attention output, log-sum-exp
               + fp32 * a.hidden)  # residual after attention
     if a.qk_norm:  # q and k before their norm, and the norms' reciprocals per head
         shared += compute_bytes * (q + kv) + fp32 * (a.heads + a.kv_heads)
     if compiled:
-        return shared + compute_bytes * a.hidden * 2 + compute_bytes * a.intermediate * 3
-    attention_copy = 0 if HAVE_FLASH_ATTN else compute_bytes * q
-    qk_norm_fp32 = fp32 * (q + kv) if a.qk_norm else 0  # eager qk-norm keeps its fp32 upcast too
-    return (shared + qk_norm_fp32 + fp32 * a.hidden * 2 + compute_bytes * a.hidden * 5 + attention_copy
-            + compute_bytes * a.intermediate * 4)
+        attention = shared + compute_bytes * a.hidden
+        mlp_part = fp32 + compute_bytes * a.hidden + compute_bytes * a.intermediate * 3
+    else:
+        attention_copy = 0 if HAVE_FLASH_ATTN else compute_bytes * q
+        qk_norm_fp32 = fp32 * (q + kv) if a.qk_norm else 0  # eager qk-norm keeps its fp32 upcast too
+        attention = shared + qk_norm_fp32 + fp32 * a.hidden + compute_bytes * a.hidden * 3 + attention_copy
+        mlp_part = fp32 + fp32 * a.hidden + compute_bytes * a.hidden * 2 + compute_bytes * a.intermediate * 4
+    return attention + mlp_part if mlp else attention
 
 
-def layer_working_bytes_per_token(spec, compute_bytes: int, compiled: bool = True) -> int:
-    """A recomputed layer's working set: its graph plus the gradients of the same tensors, live transiently."""
-    return int(layer_activation_bytes_per_token(spec, compute_bytes, compiled) * 1.5)
+def layer_graph_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, mlp_chunk_tokens: int) -> int:
+    """What one layer's autograd graph over `tokens` tokens keeps; a chunked MLP (`mlp_chunk_tokens > 0` and fewer
+    than `tokens`) keeps none of its intermediates."""
+    chunked = 0 < mlp_chunk_tokens < tokens
+    return layer_activation_bytes_per_token(spec, compute_bytes, compiled, mlp=not chunked) * tokens
+
+
+def layer_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, mlp_chunk_tokens: int) -> int:
+    """A recomputed layer's working set: its graph plus the gradients of the same tensors, live transiently; a
+    chunked MLP adds one chunk's intermediates, rebuilt in the backward."""
+    graph = layer_graph_bytes(spec, tokens, compute_bytes, compiled, mlp_chunk_tokens)
+    if 0 < mlp_chunk_tokens < tokens:
+        mlp_per_token = (layer_activation_bytes_per_token(spec, compute_bytes, compiled)
+                         - layer_activation_bytes_per_token(spec, compute_bytes, compiled, mlp=False))
+        graph += mlp_per_token * mlp_chunk_tokens
+    return int(graph * 1.5)
 
 
 def loss_activation_bytes(spec, tokens: int, compute_bytes: int, fused: bool) -> int:
@@ -212,7 +232,9 @@ class _Shape:
         fused = fused_loss_on(cfg, on_gpu)
         # a layer's working set and the head's are live in different phases of the step: the larger one counts
         self.compiled = runs_compiled(cfg, on_gpu)
-        self.act = max(layer_working_bytes_per_token(spec, self.compute_bytes, self.compiled) * self.mb_tokens,
+        self.mlp_chunk_tokens = resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, self.mb_tokens)
+        self.act = max(layer_working_bytes(spec, self.mb_tokens, self.compute_bytes, self.compiled,
+                                           self.mlp_chunk_tokens),
                        loss_activation_bytes(spec, self.mb_tokens, self.compute_bytes, fused))
         flops = model_flops_per_token(cfg.model, t.seq_len)
         self.layer_fwd_flops = flops["layer_forward_flops_per_token"] * self.step_tokens
@@ -223,8 +245,9 @@ class _Shape:
     def kept_graph_bytes(self) -> int:
         """What one layer's kept autograd graph holds for all micro-batches (the tensors the recompute would
         rebuild), plus the layer's own slot."""
-        per_token = layer_activation_bytes_per_token(self.spec, self.compute_bytes, self.compiled)
-        return per_token * self.step_tokens + self.slot_bytes(self.layouts[1])
+        per_micro_batch = layer_graph_bytes(self.spec, self.mb_tokens, self.compute_bytes, self.compiled,
+                                            self.mlp_chunk_tokens)
+        return per_micro_batch * (self.step_tokens // self.mb_tokens) + self.slot_bytes(self.layouts[1])
 
     def slot_bytes(self, lay) -> int:
         return self.compute_bytes * lay.cast_numel + 4 * (lay.numel - lay.cast_numel)

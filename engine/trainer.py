@@ -49,6 +49,8 @@ from engine.data import DataError, build_data
 from engine.device import resolve_compute_dtype, resolve_device
 from engine.metrics import MetricsLogger
 from engine.model import ModelSpec
+from engine.model.attention import resolve_attention
+from engine.model.dense import LayerCompute, resolve_mlp_chunk_tokens
 from engine.plan import PlanError, build_plan, fused_loss_on, runs_compiled
 
 
@@ -61,6 +63,7 @@ def host_mem_total_gib() -> float:
 
 
 def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype, plan):
+    spec.set_layer_compute(layer_compute(spec, cfg, device))
     if runs_compiled(cfg, device.type == "cuda"):
         spec.compile_templates()
     if fused_loss_on(cfg, device.type == "cuda"):
@@ -72,6 +75,13 @@ def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute
     from engine.streaming import StreamEngine
 
     return StreamEngine(spec, cfg, device, compute_dtype, plan)
+
+
+def layer_compute(spec: ModelSpec, cfg: DictConfig, device: torch.device) -> LayerCompute:
+    """The attention backend and MLP chunk this run's layers use (a backend that cannot run is a ConfigError)."""
+    t = cfg.train
+    return LayerCompute(attention=resolve_attention(t.attention, device.type, spec.arch.head_dim),
+                        mlp_chunk_tokens=resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, t.micro_batch_size * t.seq_len))
 
 
 class RunLog:
@@ -119,6 +129,7 @@ class Trainer:
             return
         self.device = resolve_device(cfg.hardware.device)
         self.compute_dtype = resolve_compute_dtype(t.compute_dtype, self.device)
+        self.layer_compute = layer_compute(self.spec, cfg, self.device)  # an attention backend that cannot run
         gpu_gib = hardware.apply_gpu_cap(cfg.hardware, self.device) if self.device.type == "cuda" else 0.0
         host_gib = cfg.hardware.host_mem_gib or host_mem_total_gib()
         self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, self.device.type == "cuda")
@@ -137,6 +148,9 @@ class Trainer:
                 hf = checkpoint.open_hf(self.spec, hf_dir)
         self.log.open(self.run_dir)  # nothing can refuse the run from here on
         self.log(f"run dir: {self.run_dir}")
+        lc = self.layer_compute
+        self.log(f"layers: attention {lc.attention} (train.attention={t.attention}), MLP "
+                 + (f"in chunks of {lc.mlp_chunk_tokens} tokens" if lc.mlp_chunk_tokens else "unchunked"))
         torch.manual_seed(cfg.seed)  # and the host RNGs, so that their checkpointed states are reproducible too
         random.seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
@@ -220,7 +234,8 @@ class Trainer:
                          "memory_plan_gib": {tier: self.plan.total(tier) / 2**30 for tier in ("gpu", "host")},
                          "memory_plan_allocated_gib": {tier: self.plan.allocated(tier) / 2**30
                                                        for tier in ("gpu", "host")},
-                         "plan_times_s": self.plan.times_s,
+                         "plan_times_s": self.plan.times_s, "attention": self.layer_compute.attention,
+                         "mlp_chunk_tokens": self.layer_compute.mlp_chunk_tokens,
                          "memory_bytes": self.engine.memory_bytes(), "start_step": self.start_step}
         stopped = None
         try:

@@ -170,6 +170,8 @@ BAD = {
     "train.max_consecutive_skips": ["train.max_consecutive_skips=-1"],
     "train.export_hf": ["train.export_hf=maybe"],
     "train.fused_loss": ["train.fused_loss=yes"],
+    "train.attention": ["train.attention=flash", "train.attention=xformers"],
+    "train.mlp_chunk_tokens": ["train.mlp_chunk_tokens=-2", "train.mlp_chunk_tokens=lots"],
     "train.export_dtype": ["train.export_dtype=fp16"],
     "hardware.name": ["hardware.name=''"],
     "hardware.device": ["hardware.device=tpu"],

@@ -98,6 +98,12 @@ class ModelSpec:
         chunked, recomputed torch chain."""
         self.fused_loss = True
 
+    def set_layer_compute(self, compute: dense.LayerCompute) -> None:
+        """How the layer template computes (attention backend, MLP token chunk); the default is torch's SDPA over
+        whole sequences. Set before `compile_templates` (the compiled layer specialises on it)."""
+        self.compute = compute
+
+    compute = dense.LayerCompute()
     _layer_fn = staticmethod(dense.decoder_layer)
     _loss_chunk_fn = staticmethod(dense.chunk_loss_sum)
     fused_loss = False
@@ -107,7 +113,7 @@ class ModelSpec:
         return dense.embed(p, ids_BT)
 
     def layer(self, p, x_BTD, rope: Rope):
-        return self._layer_fn(p, x_BTD, rope, self.arch)
+        return self._layer_fn(p, x_BTD, rope, self.arch, self.compute)
 
     def loss_sum(self, p, x_BTD, labels_BT, tied_weight=None):
         if self.fused_loss:

@@ -1,23 +1,63 @@
-"""Causal GQA attention for the layer templates.
+"""Causal GQA attention for the layer templates, with the backend chosen per run (`train.attention`).
 
-torch's scaled_dot_product_attention with `enable_gqa` (query head j reads kv head j // (nh/kv), the grouping of
-HF's repeat_kv), or the optional flash-attn package where it is installed and applies (bf16/fp16 on CUDA). There
-is no knob yet: choosing a backend per run (`train.attention`, with the Triton kernel of engine/kernels/attention.py
-among the choices, and never a silent switch away from the one asked for) is the long-context issue's work.
+Backends (query head j reads kv head j // (nh / kv), the grouping of HF's repeat_kv):
+- `triton`: the project's flash attention (engine/kernels/attention.py), forward and backward in Triton, memory
+  linear in the sequence length. CUDA (or the Triton interpreter, for CPU tests); head_dim a power of two in 16..128.
+- `sdpa`: torch's scaled_dot_product_attention with `enable_gqa` (its flash backend on CUDA for bf16/fp16).
+- `flash_attn`: the optional flash-attn package (bf16/fp16 on CUDA), when installed.
+- `auto`: `triton` where it applies on CUDA, else `sdpa`. Measured on an H100 (bench/bench_attention.py,
+  2026-12-05, qwen7b heads, fwd+bwd): the Triton kernel is 1.04x SDPA's flash backend at 8K tokens and 1.20-1.22x
+  from 32K to 512K. flash-attn is not chosen by `auto`: it does not build offline, so it was never measured here.
+
+A backend that was asked for and cannot run the shape or the device is an error (`resolve_attention`, called when
+the engine is built), never a quiet switch to another one.
+
+The Triton kernel runs outside torch.compile's graph (`torch.compiler.disable`): the compiled layer is split into
+the part before attention and the part after it, each still fused.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
 
+from engine.config import ConfigError
+
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+BACKENDS = ("auto", "triton", "sdpa", "flash_attn")
+TRITON_HEAD_DIMS = (16, 32, 64, 128)
 
 
-def _flash_applicable(q: torch.Tensor, dtype: torch.dtype) -> bool:
-    return HAVE_FLASH_ATTN and q.is_cuda and dtype in (torch.bfloat16, torch.float16)
+def _triton_runs_on(device_type: str) -> bool:
+    return device_type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_attention(requested: str, device_type: str, head_dim: int) -> str:
+    """The concrete backend for `train.attention=requested` on this device and head size; raises ConfigError
+    naming the value and what would be valid when the asked-for backend cannot run."""
+    if requested not in BACKENDS:
+        raise ConfigError(f"train.attention={requested!r} is not valid; choose one of {', '.join(BACKENDS)}")
+    triton_fits = head_dim in TRITON_HEAD_DIMS
+    if requested == "auto":
+        return "triton" if device_type == "cuda" and triton_fits else "sdpa"
+    if requested == "triton":
+        if not triton_fits:
+            raise ConfigError(f"train.attention=triton: head_dim={head_dim} is not supported by the Triton kernel "
+                              f"(head_dim in {TRITON_HEAD_DIMS}); use train.attention=sdpa")
+        if not _triton_runs_on(device_type):
+            raise ConfigError(f"train.attention=triton needs a CUDA device (or TRITON_INTERPRET=1 for tests), but "
+                              f"the run is on {device_type}; use train.attention=sdpa or auto")
+    if requested == "flash_attn":
+        if not HAVE_FLASH_ATTN:
+            raise ConfigError("train.attention=flash_attn, but the flash-attn package is not installed "
+                              "(pip install -e '.[flash]'); use train.attention=auto, triton or sdpa")
+        if device_type != "cuda":
+            raise ConfigError(f"train.attention=flash_attn needs a CUDA device, but the run is on {device_type}; "
+                              "use train.attention=sdpa")
+    return requested
 
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
@@ -26,15 +66,28 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
-def causal_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> torch.Tensor:
-    """Returns [B, T, nh*hd] in the compute dtype. Scale hd**-0.5, causal, no dropout."""
+@torch.compiler.disable
+def _triton_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> torch.Tensor:
+    from engine.kernels.attention import flash_attention
+
+    return flash_attention(q_BHTD, k_BHTD, v_BHTD, causal=True)
+
+
+def causal_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
+                     backend: str = "sdpa") -> torch.Tensor:
+    """Returns [B, T, nh*hd] in the compute dtype. Scale hd**-0.5, causal, no dropout. `backend`: a resolved
+    name (not `auto`)."""
     dtype = _compute_dtype(q_BHTD)
     B, nh, T, hd = q_BHTD.shape
-    if _flash_applicable(q_BHTD, dtype):
+    q, k, v = (t.to(dtype) for t in (q_BHTD, k_BHTD, v_BHTD))
+    if backend == "triton":
+        out = _triton_attention(q, k, v)
+    elif backend == "flash_attn":
         from flash_attn import flash_attn_func
 
-        q, k, v = (t.transpose(1, 2).to(dtype) for t in (q_BHTD, k_BHTD, v_BHTD))
-        return flash_attn_func(q, k, v, causal=True).reshape(B, T, nh * hd)
-    q, k, v = (t.to(dtype) for t in (q_BHTD, k_BHTD, v_BHTD))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != nh)
+        return flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True).reshape(B, T, nh * hd)
+    elif backend == "sdpa":
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != nh)
+    else:
+        raise ValueError(f"causal_attention: backend {backend!r} is not a resolved backend (triton, sdpa, flash_attn)")
     return out.transpose(1, 2).reshape(B, T, nh * hd)

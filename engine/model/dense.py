@@ -11,6 +11,15 @@ weights are only ever passed to F.linear, which is what lets the streaming engin
 
 Cost per layer and token: 2 * (params of q, k, v, o, gate, up, down) FLOPs forward, plus 4 * nh * hd * T_ctx for
 the attention scores and values (halved by the causal mask).
+
+How a layer is computed (not what it computes) is a `LayerCompute`: the attention backend, and the token chunk of
+the MLP block. Long sequences need the chunk: at 512K tokens a qwen7b layer's MLP holds four [T, 18944] bf16
+intermediates (20 GB each) for its backward. With `mlp_chunk_tokens = C` the post-attention norm, the MLP and its
+residual add run on C tokens at a time; with autograd on, each chunk is a non-reentrant checkpoint, so the backward
+keeps only the chunk inputs (views of the layer's own tensors) and rebuilds one chunk's intermediates at a time, at
+the cost of one more MLP forward (+1/3 of the MLP's FLOPs) in the backward. The chunks' matmuls are the same
+per-token sums as the unchunked ones; their weight gradients are summed chunk by chunk, so chunked and unchunked
+agree to fp32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -33,6 +42,24 @@ LOSS_CHUNK_ELEMS = 1 << 27  # logits elements per loss chunk (fp32: 512 MiB) bou
 # the fused loss: 1 GiB of bf16 logits per chunk; at smaller chunks its fp32 dW update (V x D read and written per
 # chunk) is memory-bound (engine/kernels/cross_entropy.py: 51 -> 44 ms at 8K tokens of the 7B head on an H200)
 FUSED_LOSS_CHUNK_ELEMS = 1 << 29
+
+
+AUTO_MLP_CHUNK_TOKENS = 32768  # train.mlp_chunk_tokens=-1 chunks micro-batches above twice this
+
+
+def resolve_mlp_chunk_tokens(requested: int, micro_batch_tokens: int) -> int:
+    """`train.mlp_chunk_tokens`: -1 (auto) chunks at AUTO_MLP_CHUNK_TOKENS when a micro-batch has more than twice
+    as many tokens (below that the intermediates are small and a chunk's recompute would cost more than it saves),
+    0 never, N > 0 at N tokens."""
+    if requested == -1:
+        return AUTO_MLP_CHUNK_TOKENS if micro_batch_tokens > 2 * AUTO_MLP_CHUNK_TOKENS else 0
+    return requested
+
+
+@dataclass(frozen=True)
+class LayerCompute:
+    attention: str = "sdpa"  # a resolved backend of engine/model/attention.py (triton | sdpa | flash_attn)
+    mlp_chunk_tokens: int = 0  # 0: the MLP block over all tokens at once
 
 
 @dataclass(frozen=True)
@@ -99,7 +126,31 @@ def embed(p: Params, ids_BT: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids_BT, p[EMBED])
 
 
-def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: DenseArch) -> torch.Tensor:
+def _mlp_block(x_ND: torch.Tensor, norm_w: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,
+               down_w: torch.Tensor, eps: float) -> torch.Tensor:
+    y = rms_norm(x_ND, norm_w, eps)
+    return x_ND + F.linear(F.silu(F.linear(y, gate_w)) * F.linear(y, up_w), down_w)
+
+
+def _mlp(p: Params, x_BTD: torch.Tensor, a: DenseArch, chunk_tokens: int) -> torch.Tensor:
+    weights = (p["post_attention_layernorm.weight"], p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"],
+               p["mlp.down_proj.weight"])
+    B, T, D = x_BTD.shape
+    if chunk_tokens <= 0 or B * T <= chunk_tokens:
+        return _mlp_block(x_BTD, *weights, a.eps)
+    x_ND = x_BTD.reshape(B * T, D)
+    parts = []
+    for start in range(0, B * T, chunk_tokens):
+        xs = x_ND[start:start + chunk_tokens]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_mlp_block, xs, *weights, a.eps, use_reentrant=False, preserve_rng_state=False))
+        else:
+            parts.append(_mlp_block(xs, *weights, a.eps))
+    return torch.cat(parts).view(B, T, D)
+
+
+def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: DenseArch,
+                  c: LayerCompute = LayerCompute()) -> torch.Tensor:
     B, T, _ = x_BTD.shape
     y = rms_norm(x_BTD, p["input_layernorm.weight"], a.eps)
     q = F.linear(y, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
@@ -113,12 +164,9 @@ def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: DenseArch) -> t
     q = apply_rope(q.transpose(1, 2), rope)
     k = apply_rope(k.transpose(1, 2), rope)
     v = v.view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
-    attn = causal_attention(q, k, v)
+    attn = causal_attention(q, k, v, c.attention)
     x_BTD = x_BTD + F.linear(attn, p["self_attn.o_proj.weight"])
-    y = rms_norm(x_BTD, p["post_attention_layernorm.weight"], a.eps)
-    mlp = F.linear(F.silu(F.linear(y, p["mlp.gate_proj.weight"])) * F.linear(y, p["mlp.up_proj.weight"]),
-                   p["mlp.down_proj.weight"])
-    return x_BTD + mlp
+    return _mlp(p, x_BTD, a, c.mlp_chunk_tokens)
 
 
 def _lm_weight(p: Params, tied_weight: Optional[torch.Tensor]) -> torch.Tensor:
