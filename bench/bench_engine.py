@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -24,6 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from engine.report import run_row  # noqa: E402  (after the path insert)
+
 SEQ = "train.seq_len=4096"
 THROUGHPUT = ["train=throughput", "data=stdlib"]
 
@@ -148,11 +150,6 @@ class BenchStopped(Exception):
     """SIGTERM (an outer time limit) while a job ran: that job and the ones after it still get rows."""
 
 
-def _median(rows, key):
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-    return statistics.median(vals) if vals else None
-
-
 def run_job(name: str, overrides: list, workdir: Path, timeout_s: int) -> dict:
     run_dir = workdir / name
     cmd = [sys.executable, "train.py", *overrides, "logger=none", f"hydra.run.dir={run_dir}"]
@@ -169,35 +166,7 @@ def run_job(name: str, overrides: list, workdir: Path, timeout_s: int) -> dict:
         row["error"] = f"exit {rc}"
         row["log_tail"] = (workdir / f"{name}.log").read_text()[-3000:]
         return row
-    summary = json.loads(summary_path.read_text())
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if "loss" in s]
-    timed = steps[1:] if len(steps) > 1 else steps
-    cfg = summary["config"]
-    t = cfg["train"]
-    row.update({
-        "model": cfg["model"]["name"], "engine": cfg["engine"]["name"], "hardware": cfg["hardware"]["name"],
-        "seq_len": t["seq_len"], "micro_batch_size": t["micro_batch_size"], "grad_accum": t["grad_accum"],
-        "tokens_per_step": t["seq_len"] * t["micro_batch_size"] * t["grad_accum"], "steps": len(steps),
-        "tokens_per_s": summary.get("median_tokens_per_s"), "step_s": summary.get("median_step_s"),
-        "tflops": summary.get("median_tflops"), "mfu": summary.get("median_mfu"),
-        "tflops_6n": _median(timed, "tflops_6n"),
-        "gpu_mem_gib": summary.get("peak_gpu_mem_gib"), "gpu_reserved_gib": summary.get("peak_gpu_reserved_gib"),
-        "host_mem_gib": summary.get("peak_host_mem_gib"),
-        "num_params": summary.get("num_params"), "memory_plan_gib": summary.get("memory_plan_gib"),
-        "losses": [s.get("loss") for s in steps], "initial_val_loss": summary.get("initial_val_loss"),
-        "final_val_loss": summary.get("final_val_loss"), "placement": cfg.get("plan_placement"),
-        "skipped_steps": summary.get("skipped_steps"),
-        "attention": summary.get("attention"), "mlp_chunk_tokens": summary.get("mlp_chunk_tokens"),
-        "state_format": {k: t.get(k) for k in ("master_dtype", "moments_dtype", "grad_dtype", "moments_block_size")},
-        "plan_step_s": (summary.get("plan_times_s") or {}).get("step"),
-        # the predicted peak of tensor memory, the figure `gpu_mem_gib` measures (the budget adds the reserve)
-        "plan_gpu_gib": (summary.get("memory_plan_allocated_gib") or {}).get("gpu"),
-        "plan_gpu_budget_gib": (summary.get("memory_plan_gib") or {}).get("gpu"),
-        "plan_host_gib": (summary.get("memory_plan_gib") or {}).get("host"),
-    })
-    for key in sorted({k for s in timed for k in s if k.endswith("_s") and k not in ("step_s",)}):
-        row[f"median_{key}"] = _median(timed, key)
+    row.update({k: v for k, v in run_row(run_dir).items() if k not in ("run_dir", "overrides")})
     return row
 
 

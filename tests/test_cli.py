@@ -64,6 +64,30 @@ def test_sweep_records_refused_jobs_and_goes_on(tmp_path):
     assert "max_position_embeddings" in refused[0]["error"]
 
 
+def test_sweep_report_turns_run_dirs_into_rows_a_table_and_a_plot(tmp_path):
+    sweep = tmp_path / "sweep"
+    _train("-m", "model=tiny", "train.seq_len=32,64,100000", "logger=none", "train.steps=3", "train.val_every=0",
+           "train.val_batches=1", "train.micro_batch_size=2", f"hydra.sweep.dir={sweep}")
+    out = subprocess.run([sys.executable, "-m", "engine.report", str(sweep), "--png", str(tmp_path / "ctx.png")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in (sweep / "report.jsonl").read_text().splitlines()]
+    finished = sorted((r for r in rows if "tflops" in r), key=lambda r: r["seq_len"])
+    assert [r["seq_len"] for r in finished] == [32, 64]
+    assert all(r["tokens_per_s"] > 0 and r["steps"] == 3 and r["host_mem_gib"] > 0 for r in finished)
+    refused = [r for r in rows if "refused" in r]
+    assert len(refused) == 1 and "max_position_embeddings" in refused[0]["refused"]
+    assert "train.seq_len=100000" in refused[0]["overrides"]
+    assert "max_position_embeddings" in out.stdout  # the table shows why the job was refused
+    assert (tmp_path / "ctx.png").stat().st_size > 10_000
+
+
+def test_sweep_report_refuses_a_missing_dir(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "engine.report", str(tmp_path / "nope")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "is not a directory" in out.stderr
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Refused configs: exit status 2, one `error:` message, no traceback
 

@@ -1,0 +1,177 @@
+"""Sweep report: run dirs -> one row per job (JSONL), a printed table, and a PNG of TFLOPS and memory.
+
+    python -m engine.report runs/multirun/2026-12-05/19-10-00                  # the context or model-size sweep
+    python -m engine.report <sweep dir> --x seq_len --png context.png --jsonl context.jsonl
+
+Every directory below the given ones that holds a `summary.json` (a finished run) or a `refused.json` (a job the
+trainer refused before it started, e.g. a memory plan that does not fit) becomes a row; a run dir with neither (a
+crash, a kill) is listed as `incomplete`. `run_row` is the one place that turns a run's files into a row, shared
+with bench/bench_engine.py.
+
+The plot puts `--x` (seq_len for the context sweep, the model's parameter count for the model-size sweep) on a log
+axis: model TFLOPS (engine/metrics.py's count, attention included) on the left, peak GPU and host memory on the
+right, with the planner's predicted memory dashed. It needs matplotlib (`pip install -e '.[report]'`); the table and
+the rows do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+
+def _median(rows, key):
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return statistics.median(vals) if vals else None
+
+
+def _overrides(run_dir: Path) -> List[str]:
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return []
+    return [line[2:].strip() for line in path.read_text().splitlines() if line.startswith("- ")]
+
+
+def run_row(run_dir: Path) -> dict:
+    """One row for a run dir: measured medians (steps after the first), peaks, the plan's figures and the config's
+    shape; `refused` or `error` when the run did not finish."""
+    run_dir = Path(run_dir)
+    row = {"run_dir": str(run_dir), "overrides": _overrides(run_dir)}
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        refused = run_dir / "refused.json"
+        if refused.exists():
+            row["refused"] = json.loads(refused.read_text()).get("error")
+        else:
+            row["error"] = "incomplete: no summary.json (the run crashed, was killed, or is still running)"
+        return row
+    summary = json.loads(summary_path.read_text())
+    metrics_path = run_dir / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    steps = [s for s in steps if "loss" in s]
+    timed = steps[1:] if len(steps) > 1 else steps
+    cfg = summary["config"]
+    t = cfg["train"]
+    row.update({
+        "model": cfg["model"]["name"], "engine": cfg["engine"]["name"], "hardware": cfg["hardware"]["name"],
+        "num_hidden_layers": cfg["model"]["num_hidden_layers"],
+        "seq_len": t["seq_len"], "micro_batch_size": t["micro_batch_size"], "grad_accum": t["grad_accum"],
+        "tokens_per_step": t["seq_len"] * t["micro_batch_size"] * t["grad_accum"], "steps": len(steps),
+        "tokens_per_s": summary.get("median_tokens_per_s"), "step_s": summary.get("median_step_s"),
+        "tflops": summary.get("median_tflops"), "mfu": summary.get("median_mfu"),
+        "tflops_6n": _median(timed, "tflops_6n"),
+        "gpu_mem_gib": summary.get("peak_gpu_mem_gib"), "gpu_reserved_gib": summary.get("peak_gpu_reserved_gib"),
+        "host_mem_gib": summary.get("peak_host_mem_gib"),
+        "num_params": summary.get("num_params"), "memory_plan_gib": summary.get("memory_plan_gib"),
+        "losses": [s.get("loss") for s in steps], "initial_val_loss": summary.get("initial_val_loss"),
+        "final_val_loss": summary.get("final_val_loss"), "placement": cfg.get("plan_placement"),
+        "skipped_steps": summary.get("skipped_steps"),
+        "attention": summary.get("attention"), "mlp_chunk_tokens": summary.get("mlp_chunk_tokens"),
+        "state_format": {k: t.get(k) for k in ("master_dtype", "moments_dtype", "grad_dtype", "moments_block_size")},
+        "plan_step_s": (summary.get("plan_times_s") or {}).get("step"),
+        # the predicted peak of tensor memory, the figure `gpu_mem_gib` measures (the budget adds the reserve)
+        "plan_gpu_gib": (summary.get("memory_plan_allocated_gib") or {}).get("gpu"),
+        "plan_gpu_budget_gib": (summary.get("memory_plan_gib") or {}).get("gpu"),
+        "plan_host_gib": (summary.get("memory_plan_gib") or {}).get("host"),
+    })
+    for key in sorted({k for s in timed for k in s if k.endswith("_s") and k not in ("step_s",)}):
+        row[f"median_{key}"] = _median(timed, key)
+    return row
+
+
+def find_run_dirs(roots: List[Path]) -> List[Path]:
+    found = set()
+    for root in roots:
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root} is not a directory (give a sweep dir such as runs/multirun/<date>/<time>)")
+        for marker in ("summary.json", "refused.json", "train.log"):
+            found.update(p.parent for p in root.rglob(marker))
+    return sorted(found)
+
+
+def _fmt(x, spec=".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: List[dict]) -> str:
+    lines = [f"{'model':10} {'seq':>7} {'tok/step':>9} {'tok/s':>8} {'TFLOPS':>7} {'GPU GiB (plan)':>15} "
+             f"{'host GiB (plan)':>16} {'attention':>9}  note"]
+    for r in rows:
+        note = r.get("refused") or r.get("error") or ""
+        lines.append(
+            f"{r.get('model', '?'):10} {_fmt(r.get('seq_len'), 'd'):>7} {_fmt(r.get('tokens_per_step'), 'd'):>9} "
+            f"{_fmt(r.get('tokens_per_s'), '.0f'):>8} {_fmt(r.get('tflops')):>7} "
+            f"{_fmt(r.get('gpu_mem_gib')) + ' (' + _fmt(r.get('plan_gpu_gib')) + ')':>15} "
+            f"{_fmt(r.get('host_mem_gib')) + ' (' + _fmt(r.get('plan_host_gib')) + ')':>16} "
+            f"{r.get('attention') or '-':>9}  {note.splitlines()[0][:100] if note else ''}")
+    return "\n".join(lines)
+
+
+def plot(rows: List[dict], x_key: str, png: Path, title: str) -> None:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise SystemExit("engine.report: the plot needs matplotlib (pip install -e '.[report]'); the rows and the "
+                         "table were written without it") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = sorted((r for r in rows if r.get("tflops") is not None and r.get(x_key) is not None),
+                  key=lambda r: r[x_key])
+    if not done:
+        raise SystemExit(f"engine.report: no finished run has {x_key}: nothing to plot")
+    xs = [r[x_key] for r in done]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    ax.plot(xs, [r["tflops"] for r in done], "o-", color="tab:blue", label="model TFLOPS")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(x_key)
+    ax.set_ylabel("model TFLOPS", color="tab:blue")
+    mem = ax.twinx()
+    for key, plan_key, color in (("gpu_mem_gib", "plan_gpu_gib", "tab:red"),
+                                 ("host_mem_gib", "plan_host_gib", "tab:green")):
+        mem.plot(xs, [r.get(key) for r in done], "s-", color=color, label=key.replace("_mem_gib", " peak GiB"))
+        mem.plot(xs, [r.get(plan_key) for r in done], "--", color=color, alpha=0.6,
+                 label=plan_key.replace("plan_", "plan ").replace("_gib", " GiB"))
+    mem.set_ylabel("GiB")
+    lines = ax.get_legend_handles_labels()
+    more = mem.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="lower left")
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dirs", nargs="+", type=Path, help="sweep dirs (or run dirs) to collect")
+    ap.add_argument("--x", default="seq_len", help="row key on the plot's x axis (seq_len, num_params, ...)")
+    ap.add_argument("--png", type=Path, help="write the plot here (default: <first dir>/report.png)")
+    ap.add_argument("--jsonl", type=Path, help="write the rows here (default: <first dir>/report.jsonl)")
+    args = ap.parse_args(argv)
+    try:
+        run_dirs = find_run_dirs(args.dirs)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not run_dirs:
+        print(f"error: no run dirs below {', '.join(map(str, args.dirs))}", file=sys.stderr)
+        return 2
+    rows = [run_row(d) for d in run_dirs]
+    print(table(rows))
+    jsonl = args.jsonl or args.dirs[0] / "report.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = args.png or args.dirs[0] / "report.png"
+    first = next((r for r in rows if "model" in r), {})
+    plot(rows, args.x, png, f"{first.get('model', '?')} on {first.get('hardware', '?')}, engine "
+                            f"{first.get('engine', '?')}")
+    print(f"rows -> {jsonl}\nplot -> {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
