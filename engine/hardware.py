@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from engine.config import CONF_DIR, ConfigError
 
 PROFILE_DIR = CONF_DIR / "hardware"
-GPU_PROFILES = {"H200": "h200", "GH200": "gh200", "RTX 3090": "rtx3090", "RTX A6000": "a6000"}
+GPU_PROFILES = {"H100": "h100", "H200": "h200", "GH200": "gh200", "RTX 3090": "rtx3090", "RTX A6000": "a6000"}
 
 
 def detect_profile() -> str:
