@@ -120,7 +120,7 @@ def _sdpa_attn(gqa_native: bool, G: int):
     return attn
 
 
-def run_case(name, T, meta):
+def run_case(name, T, meta, layout="bhtd"):
     import torch
 
     from engine.kernels.attention import flash_attention
@@ -128,13 +128,17 @@ def run_case(name, T, meta):
     c = CASES[name]
     B, H, Hkv, D = 1, c["heads"], c["kv_heads"], c["head_dim"]
     g = torch.Generator(device="cuda").manual_seed(0)
-    def mk(h):
-        return torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    q, k, v = (mk(h).requires_grad_() for h in (H, Hkv, Hkv))
+    def mk(h, grad=False):
+        if layout == "bhtd":
+            return torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(grad)
+        # the layer's layout: [B, T, H, D] projections viewed as [B, H, T, D] (stride H*D along T)
+        return torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(grad) \
+            .transpose(1, 2)
+    q, k, v = (mk(h, grad=True) for h in (H, Hkv, Hkv))
     do = mk(H)
     sinks = torch.randn(H, device="cuda", generator=g).requires_grad_() if c["sinks"] else None
     flops = 3.5 * fwd_flops(B, H, T, D, c["window"])
-    row = dict(bench="attention", case=name, seq_len=T, batch=B, heads=H, kv_heads=Hkv, head_dim=D,
+    row = dict(bench="attention", case=name, seq_len=T, batch=B, heads=H, kv_heads=Hkv, head_dim=D, layout=layout,
                window=c["window"], sinks=c["sinks"], causal=True, dtype="bf16", flops=flops)
 
     def kernel_attn(q, k, v):
@@ -172,6 +176,8 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "attention.jsonl"))
     ap.add_argument("--seq-lens", type=int, nargs="+", default=SEQ_LENS)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--layout", default="bhtd", choices=("bhtd", "bthd"),
+                    help="inputs contiguous as [B, H, T, D], or [B, T, H, D] viewed as [B, H, T, D] (the layer's)")
     args = ap.parse_args(argv)
 
     import torch
@@ -194,7 +200,7 @@ def main(argv=None):
     print(hdr, flush=True)
     for name in args.cases:
         for T in sorted(args.seq_lens):
-            row = run_case(name, T, meta)
+            row = run_case(name, T, meta, args.layout)
             rows.append(row)
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -117,7 +117,7 @@ class TrainConfig:
     # the LM head + cross-entropy fused in a Triton kernel, no logits recomputed (engine/kernels/cross_entropy.py):
     # auto (on CUDA) | on | off (the chunked torch chain, logits recomputed in the backward)
     fused_loss: str = "auto"
-    # attention backend (engine/model/attention.py): auto (triton on CUDA where it applies, else sdpa) | triton | sdpa
+    # attention backend (engine/model/attention.py): auto (the one measured faster in the layer: sdpa) | triton | sdpa
     # | flash_attn; a backend asked for that cannot run is an error, never a quiet switch
     attention: str = "auto"
     # the MLP block in token chunks, each recomputed in the backward (engine/model/dense.py): -1 auto (32K-token chunks

@@ -4,11 +4,17 @@ Recipe (DESIGN.md §1): torch.optim.AdamW (fused kernel) on fp32 master weights;
 global-norm clipping with the norm of the whole gradient; a step whose gradient norm is not finite is skipped and
 leaves weights, moments and Adam's step counter untouched.
 
-Both engines compute the global norm with `global_norm` from per-tensor norms taken in the model's canonical
-parameter order, clip with `clip_coefficient`, and run the same fused AdamW kernel on tensors of the same shapes, so
-on one device they produce bit-identical updates. The streaming engine runs that kernel per unit, over views into
-its flat buffers (moments are views too, never torch allocations): on a worker thread for units whose state is in
-host RAM, on the GPU's compute stream for the leading units whose state the plan put in GPU memory.
+The gradient norm, one definition for both engines: `sq_norms` gives each tensor's sum of squares (every square
+exact in fp64, summed in fp64, rounded to fp32), in the model's canonical parameter order; `global_norm` is the
+square root of their fp64 sum, in fp32. A non-finite gradient element makes its tensor's sum, and so the global
+norm, non-finite; so does a tensor norm above ~1.8e19, whose square overflows fp32. Both engines clip with
+`clip_coefficient` of that norm and run the same fused AdamW kernel on tensors of the same shapes, so on one device
+they produce bit-identical updates. The streaming engine runs that kernel per unit, over views into its flat buffers
+(moments are views too, never torch allocations): on a worker thread for units whose state is in host RAM, on the
+GPU's compute stream for the leading units whose state the plan put in GPU memory. Its fp32 gradients' sums of
+squares come from the last micro-batch's accumulation (engine/streaming/gradients.py): on the CPU by `sq_norms`,
+bit-identical to engine=reference; on a GPU from the fused accumulation kernel's registers (fp32 partials per
+block, summed in fp64), equal to `sq_norms` to rounding only.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 
 from engine.formats import update_seed
 from engine.kernels.adamw_update import adamw_update, layout_segments
-from engine.kernels.reference import dequantize_blocks_reference
+from engine.kernels.reference import dequantize_blocks_reference, sq_norms_reference
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing
 
@@ -34,13 +40,14 @@ def lr_at(step: int, t) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def tensor_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """fp32 L2 norm of each gradient tensor, stacked, on the tensors' device."""
-    return torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads])
+def sq_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each gradient tensor's sum of squares (fp64, rounded to fp32), stacked, on the tensors' device."""
+    return sq_norms_reference(grads).to(torch.float32)
 
 
-def global_norm(norms: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(norms, 2)
+def global_norm(sq: torch.Tensor) -> torch.Tensor:
+    """The global L2 norm (fp32) from the per-tensor sums of squares of `sq_norms`, in canonical order."""
+    return sq.double().sum().sqrt().to(torch.float32)
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:

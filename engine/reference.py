@@ -4,7 +4,9 @@ This is the plain-PyTorch oracle the streaming engine is proven against, and the
 every parameter is its own fp32 `nn.Parameter` (16 B/param with gradient and moments), the forward runs under bf16
 autocast on CUDA (fp32 on CPU), each decoder layer is activation-checkpointed, micro-batch gradients accumulate in
 `.grad`, then global-norm clipping and torch.optim.AdamW(fused=True). It uses the same layer templates, init, norm
-and clipping helpers as the streaming engine, so the two differ only in where state lives and when work happens.
+and clipping helpers as the streaming engine, so the two differ only in where state lives and when work happens: the
+gradient norm is `optim.global_norm` of `optim.sq_norms` (per-tensor sums of squares in fp64) over the finished
+`.grad` tensors in canonical order, which the streaming engine gets from its last accumulation instead.
 
 With a low-precision state format (engine/formats.py) it is the plain-PyTorch run of that format: each unit's
 parameters are views of one fp32 flat buffer holding the master's values, the unit's master and moments live in the
@@ -101,7 +103,7 @@ class ReferenceEngine:
             for unit, params in zip(self.spec.units, self.params):
                 grad_hook(unit.index, {name: p.grad for name, p in params.items()})
         grads = [p.grad for p in self.ordered] if self.fmt.exact else self._held_grads()
-        total_norm = optim.global_norm(optim.tensor_norms(grads))
+        total_norm = optim.global_norm(optim.sq_norms(grads))
         skipped = not bool(torch.isfinite(total_norm))
         if skipped:
             self.skipped_steps += 1

@@ -1,11 +1,15 @@
 """engine=stream against engine=reference on CPU: same seed, same batches, clipping active.
 
 Tolerance: none. On one device both engines run the same ops on tensors of the same shapes in the same order:
-the same templates, the fp32 gradient sums over micro-batches in the same order, per-tensor norms combined the
-same way, and the same fused AdamW kernel per tensor. So every loss, weight and moment is expected bit-identical.
+the same templates, the fp32 gradient sums over micro-batches in the same order, per-tensor sums of squares by the
+one definition (`optim.sq_norms`; the stream engine takes them at each unit's last accumulation, the reference over
+the finished `.grad`) combined the same way, and the same fused AdamW kernel per tensor. So every loss, gradient
+norm, weight and moment is expected bit-identical.
 The one exception is tied embeddings, where the stream engine adds the same terms in a different order (head
 gradients of all micro-batches first, then the lookup's); there we allow fp32 rounding, grown over the steps.
 """
+
+import math
 
 import pytest
 import torch
@@ -110,6 +114,7 @@ def test_every_placement_is_exact(placement, reference_runs):
     ref_rec, ref_w, ref_m, _ = _reference(reference_runs, "qwen2", FAMILIES["qwen2"])
     rec, w, m, _ = train("stream", [*placement, "engine.fused_kernels=false"])
     assert [r["loss"] for r in rec] == [r["loss"] for r in ref_rec]
+    assert [r["grad_norm"] for r in rec] == [r["grad_norm"] for r in ref_rec]
     assert_same(w, ref_w)
     assert_same(m, ref_m)
 
@@ -127,12 +132,18 @@ def test_fused_loss_is_exact_across_engines_and_matches_the_torch_chain(referenc
                                torch.tensor([r["loss"] for r in torch_rec[0][:4]]), rtol=1e-5, atol=0)
 
 
-def test_tied_embeddings_match_to_rounding():
+@pytest.mark.parametrize("fused", [True, False])
+def test_tied_embeddings_match_to_rounding(fused, reference_runs):
+    """The embedding's sums of squares are taken at the lookup's last micro-batch, after the head's adds: taken
+    any earlier they would miss part of the gradient, which the norms (clipping is active) would show."""
     tied = ["model.tie_word_embeddings=true"]
-    ref_rec, ref_w, ref_m, _ = train("reference", tied)
-    rec, w, m, _ = train("stream", [*tied, "engine.fused_kernels=false"])
+    ref_rec, ref_w, ref_m, _ = _reference(reference_runs, "tied", tied)
+    rec, w, m, _ = train("stream", [*tied, f"engine.fused_kernels={str(fused).lower()}"])
     torch.testing.assert_close(torch.tensor([r["loss"] for r in rec]), torch.tensor([r["loss"] for r in ref_rec]),
                                rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rec]),
+                               torch.tensor([r["grad_norm"] for r in ref_rec]), rtol=1e-5, atol=0)
+    assert all(r["grad_norm"] > 0.05 for r in ref_rec), "clipping must be active"
     # atol: k_proj's bias has a mathematically zero gradient (softmax ignores a per-query constant), so its
     # gradient is pure rounding noise, which Adam normalises into real updates; 2e-5 is 0.2% of one lr step.
     assert_same(w, ref_w, exact=False, rtol=1e-4, atol=2e-5)
@@ -192,6 +203,42 @@ def test_nan_gradient_skips_step_and_leaves_state_untouched(engine, overrides):
     assert_same(w2, w1)
     assert_same(m2, m1)
     assert not all(torch.equal(snaps[3][0][k], w2[k]) for k in w2), "the step after the skip must update again"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_micro_batch_gradient_skips_the_step(fused, bad, monkeypatch):
+    """A non-finite value in one micro-batch's gradient (not the last: the sums of squares are taken at the last
+    add, of the accumulated result) makes the norm non-finite and skips the step, with no grad_hook involved."""
+    from engine.streaming.gradients import GradAccumulator
+
+    add, adds = GradAccumulator.add, []
+
+    def poisoning_add(self, grads, sq_norms_out=None):
+        adds.append(sq_norms_out is not None)
+        if poison and len(adds) == 2:  # the head's second micro-batch of three
+            grads = {k: g.clone() for k, g in grads.items()}
+            next(iter(grads.values())).view(-1)[5] = bad
+        add(self, grads, sq_norms_out)
+
+    monkeypatch.setattr(GradAccumulator, "add", poisoning_add)
+    cfg, eng, data = build("stream", [f"engine.fused_kernels={str(fused).lower()}"])
+    t, records = cfg.train, []
+    try:
+        for step in range(3):
+            poison = step == 1
+            adds.clear()
+            batches = [data.batch("train", step * t.grad_accum + j, t.micro_batch_size) for j in range(t.grad_accum)]
+            records.append(eng.train_step(batches, optim.lr_at(step, t)))
+            if step == 0:
+                before = eng.master_weights()
+            elif step == 1:
+                assert_same(eng.master_weights(), before)
+    finally:
+        eng.close()
+    assert adds[:3] == [False, False, True], "the head's sums of squares are taken at its last micro-batch only"
+    assert [r["skipped"] for r in records] == [False, True, False]
+    assert not math.isfinite(records[1]["grad_norm"])
 
 
 def test_nan_skip_identical_across_engines():

@@ -23,11 +23,10 @@ from tests.util import SMALL, make_cfg
 WIDE_HEADS = ["model.hidden_size=96", "model.num_attention_heads=6", "model.num_key_value_heads=2"]
 
 
-def test_auto_picks_triton_on_cuda_where_it_applies_else_sdpa():
-    assert resolve_attention("auto", "cuda", 128) == "triton"
-    assert resolve_attention("auto", "cuda", 64) == "triton"
-    assert resolve_attention("auto", "cuda", 80) == "sdpa"
+def test_auto_picks_the_backend_measured_faster_in_the_layer():
+    assert resolve_attention("auto", "cuda", 128) == "sdpa"  # see engine/model/attention.py for the figures
     assert resolve_attention("auto", "cpu", 128) == "sdpa"
+    assert resolve_attention("triton", "cuda", 128) == "triton"
     assert resolve_attention("sdpa", "cuda", 80) == "sdpa"
 
 

@@ -164,3 +164,17 @@ def test_gpu_runs_repeat_bit_for_bit_or_say_where_they_do_not():
     print(f"two identical GPU runs: bit-identical={same}, max |dw|={worst:.2e}, "
           f"loss diffs {[x - y for x, y in zip(a_losses, b_losses)]}")
     assert max(abs(x - y) for x, y in zip(a_losses, b_losses)) <= LOSS_ATOL
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp32_stream_takes_no_norm_pass_and_its_norms_match_the_reference(tied, monkeypatch):
+    """fp32 gradients with the fused kernel: each unit's sums of squares come from its last accumulation (in
+    registers), so `optim.sq_norms`, a pass over the gradient, never runs in the stream engine; the norms equal the
+    reference's (`optim.sq_norms` over `.grad`) to rounding."""
+    model = ["model.tie_word_embeddings=true"] if tied else []
+    ref_norms = [r["grad_norm"] for r in run("reference", model, "fp32")[2]]
+    sq_norms, calls = optim.sq_norms, []
+    monkeypatch.setattr(optim, "sq_norms", lambda grads: calls.append(len(grads)) or sq_norms(grads))
+    norms = [r["grad_norm"] for r in run("stream", model + PLACEMENTS["2-gpu-units-gpu-grads"], "fp32")[2]]
+    assert calls == []
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)

@@ -83,6 +83,29 @@ def test_claim_waits_until_the_reader_has_queued_its_read():
     assert claimed.is_set() and acc.fresh
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_add_writes_the_sums_of_squares_of_the_accumulated_result(device, fused):
+    """What the last add of a step writes to `sq_norms_out`: `optim.sq_norms` of the accumulated result, in layout
+    order, for all of a unit's tensors or a subset (a tied embedding's lookup). Bit for bit on the CPU; on a GPU
+    the fused kernel's in-register sums, equal to rounding."""
+    dev = Device(torch.device(device))
+    layout = ModelSpec(make_cfg(RECIPE).model).units[1].layout
+    acc = GradAccumulator(dev, layout, fused=fused)
+    gen = torch.Generator().manual_seed(0)
+    grads = [{s.name: torch.randn(s.shape, generator=gen).to(device, torch.bfloat16 if s.kind == "matmul" else
+                                                             torch.float32) for s in layout.specs} for _ in range(3)]
+    tol = {"rtol": 1e-6 if dev.cuda and fused else 0.0, "atol": 0.0}
+    sq = torch.full((len(layout.specs),), -1.0, device=device)
+    for m, g in enumerate(grads):
+        acc.add(g, sq if m == len(grads) - 1 else None)
+    torch.testing.assert_close(sq, optim.sq_norms(list(acc.views.values())), **tol)
+    subset = [s.name for s in layout.specs[::2]]
+    sq = torch.full((len(subset),), -1.0, device=device)
+    acc.add({name: grads[0][name] for name in reversed(subset)}, sq)
+    torch.testing.assert_close(sq, optim.sq_norms([acc.views[name] for name in subset]), **tol)
+
+
 def test_claim_raises_when_the_reader_died():
     dev = Device(torch.device("cpu"))
     spec = ModelSpec(make_cfg(RECIPE).model)

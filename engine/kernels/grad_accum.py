@@ -15,7 +15,10 @@ fp32 roundings (or one, if the compiler contracts it into an FMA): equal to torc
 
 With `sq_norms_out` (fp32 [len(grads)]), each tensor's sum of squares of the RESULT is written there, from the
 values already in registers: on the last micro-batch that is the clipping norm without another pass. Per-block
-partials, then a fixed-order fp64 sum per tensor: deterministic run to run for a given launch config.
+fp32 partials, then a fixed-order fp64 sum per tensor: deterministic run to run for a given launch config, and equal
+to the definition (`sq_norms_reference`, fp64 throughout: the engines' `optim.sq_norms`) to rounding only, so the
+streaming engine asks for them on the GPU and not on the CPU, where it must match engine=reference bit for bit
+(engine/streaming/gradients.py).
 
 Bytes per element: bf16 grad, accumulate: read 2 + 4, write 4 = 10 B (first: 6 B); fp32 grad: 12 B (first: 8 B).
 A qwen7b layer (233 M elements) in bf16, non-first: 2.3 GB -> ~0.6 ms at 3.7 TB/s.

@@ -17,12 +17,21 @@ import torch
 # ---------------------------------------------------------------------------------------------------------------
 
 
+SQ_NORM_CHUNK = 1 << 24  # elements squared per fp64 temporary (256 MiB of temporaries at most, not 16 B/element)
+
+
 def sq_norms_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor sum of squares, computed in fp64: fp64 tensor [len(tensors)] on the first tensor's device (CPU
-    when the list is empty)."""
-    device = tensors[0].device if len(tensors) else torch.device("cpu")
-    return torch.stack([t.detach().double().pow(2).sum() for t in tensors]) if len(tensors) else \
-        torch.zeros(0, dtype=torch.float64, device=device)
+    """Per-tensor sum of squares in fp64: fp64 tensor [len(tensors)] on the first tensor's device (CPU when the list
+    is empty). Each square of an fp32 / bf16 / fp16 value is exact in fp64; torch sums them in fp64 per chunk of
+    `SQ_NORM_CHUNK` elements, then the chunks' sums in order. This is the gradient norm's definition
+    (`engine.optim.sq_norms`), so both engines call it; the chunks bound the fp64 temporary for a large embedding."""
+    if not len(tensors):
+        return torch.zeros(0, dtype=torch.float64)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([c.double().square().sum() for c in t.detach().reshape(-1).split(SQ_NORM_CHUNK)]).sum()
+
+    return torch.stack([one(t) for t in tensors])
 
 
 def accumulate_reference(flat: torch.Tensor, grads: Sequence[torch.Tensor], offsets: Sequence[int],

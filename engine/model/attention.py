@@ -5,9 +5,12 @@ Backends (query head j reads kv head j // (nh / kv), the grouping of HF's repeat
   linear in the sequence length. CUDA (or the Triton interpreter, for CPU tests); head_dim a power of two in 16..128.
 - `sdpa`: torch's scaled_dot_product_attention with `enable_gqa` (its flash backend on CUDA for bf16/fp16).
 - `flash_attn`: the optional flash-attn package (bf16/fp16 on CUDA), when installed.
-- `auto`: `triton` where it applies on CUDA, else `sdpa`. Measured on an H100 (bench/bench_attention.py,
-  2026-12-05, qwen7b heads, fwd+bwd): the Triton kernel is 1.04x SDPA's flash backend at 8K tokens and 1.20-1.22x
-  from 32K to 512K. flash-attn is not chosen by `auto`: it does not build offline, so it was never measured here.
+- `auto`: `sdpa`. Measured on an H100 (2026-12-05): alone, the Triton kernel's fwd+bwd is 1.04x SDPA's flash
+  backend at 8K tokens and 1.20-1.22x from 32K to 512K (bench/bench_attention.py, contiguous [B, H, T, D] inputs);
+  inside the compiled qwen7b layer at 32K tokens the engine ran 5,366 tok/s with it against 6,283 with SDPA (backward
+  4.26 s against 3.46 s; bench grid context5). Until that gap is understood (the layer's q/k/v are strided views,
+  and the kernel splits the compiled graph), `auto` takes the backend measured faster where it runs. flash-attn is
+  not chosen by `auto`: it does not build offline, so it was never measured here.
 
 A backend that was asked for and cannot run the shape or the device is an error (`resolve_attention`, called when
 the engine is built), never a quiet switch to another one.
@@ -42,7 +45,7 @@ def resolve_attention(requested: str, device_type: str, head_dim: int) -> str:
         raise ConfigError(f"train.attention={requested!r} is not valid; choose one of {', '.join(BACKENDS)}")
     triton_fits = head_dim in TRITON_HEAD_DIMS
     if requested == "auto":
-        return "triton" if device_type == "cuda" and triton_fits else "sdpa"
+        return "sdpa"
     if requested == "triton":
         if not triton_fits:
             raise ConfigError(f"train.attention=triton: head_dim={head_dim} is not supported by the Triton kernel "

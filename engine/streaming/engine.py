@@ -12,21 +12,25 @@ One step over M micro-batches:
    or every layer when the plan caches weights) or streamed again; each micro-batch's forward is recomputed from its
    kept input with autograd on and back-propagated with `torch.autograd.grad`. The last `keep_activation_layers`
    layers skip that recompute: their forward ran with autograd on and kept its graph (which reads the weights in
-   the layer's own slot), so their backward starts from it. The layer's gradient accumulates in
-   fp32 on the GPU over micro-batches (bf16 autograd gradients are upcast exactly, as autocast's cast-backward
-   does in the reference), its per-tensor norms are taken on the GPU, and it either stays on the GPU (grads tier
-   gpu) or goes to pinned host memory on the D2H stream. Then the embedding's backward (a scatter-add, no weights).
-4. Optimizer. The global norm needs every gradient, so the host reads it once, after the backward (the step's
-   single synchronisation). A non-finite norm skips the update. Otherwise each unit is updated in the place the
-   plan gave it (DESIGN.md §4), in forward order: the leading `gpu_resident_units` (state in GPU memory) at once on
-   the compute stream; the next `gpu_streamed_units` (state in pinned host memory) on the GPU when the next forward
-   loads them, their master, m and v coming in over H2D and going back over D2H, the fresh weights cast straight
-   into their slot (engine/streaming/streamed_update.py); the rest by a worker thread running the host AdamW unit by
-   unit, fetching GPU-tier gradients through a two-deep pinned staging pair and raising each unit's "updated" flag.
-   The next step's forward streams unit u as soon as its flag is up, so the host update of step t overlaps the
-   forward of step t+1, with a lead of the GPU-updated units' forward time. Every read of a gradient accumulator
-   (D2H, the optimizer's fetch, a GPU update) records an event that the next overwrite of that accumulator waits
-   for (engine/streaming/gradients.py).
+   the layer's own slot), so their backward starts from it. The layer's gradient accumulates in fp32 on the GPU
+   over micro-batches (bf16 autograd gradients are upcast exactly, as autocast's cast-backward does in the
+   reference); the last micro-batch's accumulation also writes each tensor's sum of squares into the step's buffer
+   (on the GPU from the fused kernel's registers, so no pass of its own reads the gradient again:
+   engine/streaming/gradients.py), and the gradient either stays on the GPU (grads tier gpu) or goes to pinned host
+   memory on the D2H stream. Then the embedding's backward (a scatter-add, no weights). The head and the embedding
+   take their sums of squares at their last accumulation too (a tied embedding's: the lookup's last micro-batch,
+   after the head's adds).
+4. Optimizer. The global norm (`optim.global_norm` of the sums of squares) needs every gradient, so the host reads it
+   once, after the backward (the step's single synchronisation). A non-finite norm skips the update. Otherwise each
+   unit is updated in the place the plan gave it (DESIGN.md §4), in forward order: the leading `gpu_resident_units`
+   (state in GPU memory) at once on the compute stream; the next `gpu_streamed_units` (state in pinned host memory) on
+   the GPU when the next forward loads them, their master, m and v coming in over H2D and going back over D2H, the
+   fresh weights cast straight into their slot (engine/streaming/streamed_update.py); the rest by a worker thread
+   running the host AdamW unit by unit, fetching GPU-tier gradients through a two-deep pinned staging pair and raising
+   each unit's "updated" flag. The next step's forward streams unit u as soon as its flag is up, so the host update of
+   step t overlaps the forward of step t+1, with a lead of the GPU-updated units' forward time. Every read of a
+   gradient accumulator (D2H, the optimizer's fetch, a GPU update) records an event that the next overwrite of that
+   accumulator waits for (engine/streaming/gradients.py).
 
 The embedding and head are streamed like layers (their master weights and moments stay on the host, so a 24 GB
 GPU can train a 150K-vocabulary model), each into a slot of its own: they differ in size from a layer, and a ring
@@ -43,7 +47,9 @@ the planner gives none to the host): master and moments live in the formats, in 
 (engine/kernels/adamw_update.py, which applies the clip coefficient itself), and slots are filled from the
 low-precision master as from an fp32 one. With bf16 gradients the layers accumulate in a shared fp32 pair and each
 unit's finished gradient is rounded stochastically into a bf16 copy held until its update (keyed as
-engine=reference keys it, so both engines round alike); the norms are taken of the rounded copies.
+engine=reference keys it, so both engines round alike); the norms are of the rounded copies, taken by
+`optim.sq_norms` in a pass of their own (2 B/element): the rounding kernel works on the flat buffer without the
+layout's tensor boundaries, and the fp32 path is the one whose speed matters.
 
 On a CPU-only torch every stream and event is a synchronous stand-in (engine/device.py): same code, no overlap.
 """
@@ -164,11 +170,10 @@ class StreamEngine:
         n_layer_accs = min(2, L) if shared_layer_accs else L
         self.layer_accs = [GradAccumulator(self.dev, layer_layouts[0], fused) for _ in range(n_layer_accs)]
 
-        self.norm_offsets, n_tensors = [], 0
-        for lay in layouts:
-            self.norm_offsets.append(n_tensors)
-            n_tensors += len(lay.specs)
-        self.norms = torch.zeros(n_tensors, dtype=torch.float32, device=device)
+        # the step's per-tensor sums of squares in canonical order, and each unit's slice of them
+        n_tensors = [len(lay.specs) for lay in layouts]
+        self.sq_norms = torch.zeros(sum(n_tensors), dtype=torch.float32, device=device)
+        self.sq_slices = self.sq_norms.split(n_tensors)
 
         self.activations = ActivationStore(self.dev, self.h2d, self.d2h, self.store.activations, L, M,
                                            self.shape_BTD, self.timer)
@@ -277,6 +282,11 @@ class StreamEngine:
         self.acc[unit] = acc
         return acc
 
+    def _sq_norms_out(self, unit: int, last: bool) -> Optional[torch.Tensor]:
+        """Where an add into unit's accumulator writes its sums of squares: the last add of the step, unless the
+        norms are of the held bf16 copy (taken in `_finish_grad`)."""
+        return self.sq_slices[unit] if last and not self.held else None
+
     def _finish_grad(self, unit: int, grad_hook) -> None:
         acc = self.acc.pop(unit) if unit not in (0, self.spec.num_layers + 1) else self.acc[unit]
         if grad_hook is not None:
@@ -289,8 +299,8 @@ class StreamEngine:
             acc.hand_off()
             acc.read_queued(None)
             acc = held
-        off = self.norm_offsets[unit]
-        self.norms[off:off + len(acc.views)] = optim.tensor_norms(list(acc.views.values()))
+        if self.held or grad_hook is not None:  # norms of the rounded copy, or of what the hook left
+            self.sq_slices[unit].copy_(optim.sq_norms(list(acc.views.values())))
         acc.hand_off()
         if self.grads_on_gpu or unit in self.gpu_updated:
             self.gpu_grads[unit] = acc
@@ -341,7 +351,7 @@ class StreamEngine:
             a.claim(self.timer, lambda unit=unit: self._check_optimizer(f"reading the gradient of unit {unit}"))
         dx, loss_total = [], torch.zeros((), device=self.dev.device)
         names = list(p)
-        for x_m, lab in zip(x, labels):
+        for m, (x_m, lab) in enumerate(zip(x, labels)):
             x_m = x_m.detach().requires_grad_()
             with autocast_ctx(self.dev.device, self.compute_dtype):
                 tied_w = tied[spec.tied_weight_name] if tied else None
@@ -349,7 +359,7 @@ class StreamEngine:
             inputs = [x_m] + [p[n] for n in names] + ([tied_w] if tied else [])
             grads = torch.autograd.grad(loss, inputs)
             dx.append(grads[0])
-            acc.add(dict(zip(names, grads[1:1 + len(names)])))
+            acc.add(dict(zip(names, grads[1:1 + len(names)])), self._sq_norms_out(head, m == len(x) - 1))
             if tied:
                 emb_acc.add({spec.tied_weight_name: grads[-1]})
             loss_total += loss.detach()
@@ -382,7 +392,7 @@ class StreamEngine:
                 names = list(p)
                 grads = torch.autograd.grad(y, [x_in] + [p[n] for n in names], grad_outputs=dx[m])
                 dx[m] = grads[0]
-                acc.add(dict(zip(names, grads[1:])))
+                acc.add(dict(zip(names, grads[1:])), self._sq_norms_out(unit, m == len(dx) - 1))
                 del y, grads, x_in
             self._release(unit)
             self._load_ahead(order, k, wait=True)
@@ -392,9 +402,9 @@ class StreamEngine:
         name = self.spec.tied_weight_name
         weight = self.loader.bind(0, self.embed_slot)[name].detach().requires_grad_()
         acc = self.acc[0]
-        for ids_m, dx_m in zip(ids, dx):
+        for m, (ids_m, dx_m) in enumerate(zip(ids, dx)):
             (g,) = torch.autograd.grad(self.spec.embed({name: weight}, ids_m), [weight], grad_outputs=dx_m)
-            acc.add({name: g})
+            acc.add({name: g}, self._sq_norms_out(0, m == len(ids) - 1))
         self._release(0)
         self._finish_grad(0, grad_hook)
 
@@ -419,7 +429,7 @@ class StreamEngine:
         del dx
         self.activations.clear()
 
-        total_norm = optim.global_norm(self.norms)
+        total_norm = optim.global_norm(self.sq_norms)
         norm_value = float(total_norm)  # the step's one synchronisation
         skipped = not torch.isfinite(total_norm).item()
         coef_dev = optim.clip_coefficient(total_norm, self.t.max_grad_norm)

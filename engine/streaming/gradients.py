@@ -4,6 +4,14 @@ The accumulator holds the gradient in the unit's flat layout (the optimizer stat
 one copy). `fused` accumulates all of a micro-batch's gradients in one Triton launch, bit-identical to the
 per-tensor torch copy_/add_ it replaces (engine/kernels/grad_accum.py).
 
+Norms. The engine's last `add` of a step into an accumulator passes `sq_norms_out`, its slice of the step's
+per-tensor sums of squares (the clipping norm's input, `optim.sq_norms`'s definition), so that no pass of its own
+reads the finished gradient again. On a GPU the fused kernel computes them from the values in registers: fp32 sums
+per block, summed in fp64 per tensor, which differ from the fp64 definition by rounding only. Otherwise, the torch
+path or a CPU, `optim.sq_norms` reads the result once more. The CPU is where engine=stream must equal
+engine=reference bit for bit, and the kernel there runs under the Triton interpreter, whose in-block sums follow
+numpy's order, not torch's: it is not asked for norms there (tests/kernels/ test its norms against the definition).
+
 Lifetime. Once a unit's backward is done the accumulator is handed to one reader: the D2H copy to the host
 (grads tier host, queued by the engine's thread), the host optimizer's fetch into pinned staging (grads tier gpu,
 queued by the optimizer thread), or the GPU update on the compute stream. The next time the engine overwrites the
@@ -19,10 +27,11 @@ wait returns immediately; it exists so that this ordering does not rest on that 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
+from engine import optim
 from engine.device import Device
 from engine.kernels.grad_accum import accumulate_layout
 from engine.streaming.stall_timer import StallTimer
@@ -61,9 +70,13 @@ class GradAccumulator:
         timer.wait(self.read_done, "grad_read")
         self.fresh = True
 
-    def add(self, grads: Dict[str, torch.Tensor]) -> None:
+    def add(self, grads: Dict[str, torch.Tensor], sq_norms_out: Optional[torch.Tensor] = None) -> None:
+        """Accumulate `grads` (a subset of the layout's names). `sq_norms_out`: fp32 [len(grads)], receives each
+        given tensor's sum of squares of the result, in `layout.specs` order."""
+        in_kernel = self.fused and self.dev.cuda
         if self.fused:
-            accumulate_layout(self.layout, self.flat, grads, first=self.fresh)
+            accumulate_layout(self.layout, self.flat, grads, first=self.fresh,
+                              sq_norms_out=sq_norms_out if in_kernel else None)
         else:
             for name, g in grads.items():
                 if self.fresh:
@@ -71,3 +84,5 @@ class GradAccumulator:
                 else:
                     self.views[name].add_(g)
         self.fresh = False
+        if sq_norms_out is not None and not in_kernel:
+            sq_norms_out.copy_(optim.sq_norms([self.views[s.name] for s in self.layout.specs if s.name in grads]))
