@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma-separated, from {', '.join(MODES)} (default: compiled,eager)")
     ap.add_argument("--fused-loss", default="auto", choices=("auto", "on", "off"),
                     help="the head as the run computes it (train.fused_loss; auto: fused on CUDA)")
+    ap.add_argument("--attention", default="auto", choices=("auto", "triton", "sdpa", "flash_attn"),
+                    help="the layer's attention backend (train.attention; default: auto, what a run picks)")
     ap.add_argument("--copy-gib", type=float, default=1.0, help="GiB per PCIe copy (default: 1)")
     ap.add_argument("--adam-gparams", type=float, default=0.5,
                     help="billions of fp32 elements of the host AdamW parameter (default: 0.5, 8 GB of state)")
@@ -233,8 +235,9 @@ def bind_unit(spec: ModelSpec, unit: Unit, device: torch.device, compute_dtype: 
 def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, device: torch.device,
                  compute_dtype: torch.dtype) -> dict[str, float]:
     spec = ModelSpec(model_cfg)
-    # the attention backend a run picks by default (train.attention=auto), at the calibration's length: unchunked
-    spec.set_layer_compute(LayerCompute(attention=resolve_attention("auto", device.type, spec.arch.head_dim)))
+    # the attention backend a run picks (train.attention), at the calibration's length: unchunked
+    spec.set_layer_compute(LayerCompute(attention=resolve_attention(args.attention, device.type,
+                                                                    spec.arch.head_dim)))
     if mode == "compiled":
         log("compiled: each measurement's first call compiles what it runs (seconds each on an H200)")
         spec.compile_templates()
@@ -449,7 +452,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     compute_dtype = resolve_compute_dtype("auto", device)
     log(f"{torch.cuda.get_device_name() if cuda else 'cpu'}: {args.model} layer at {args.micro_batch} x "
-        f"{args.seq_len} tokens in {str(compute_dtype).removeprefix('torch.')}, modes {', '.join(args.mode_list)}; "
+        f"{args.seq_len} tokens in {str(compute_dtype).removeprefix('torch.')}, modes {', '.join(args.mode_list)}, "
+        f"attention {args.attention}; "
         f"median of {args.repeats} after {args.warmup} warm-up")
     figures: dict[str, float] = {}
     for mode in args.mode_list:
@@ -480,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     env = run_environment()
     calibration = (f"{env['date']} git {env['git_sha']} model {args.model} {args.micro_batch}x{args.seq_len} "
                    f"torch {env['torch']} triton {env['triton']} gpu {env['gpu']} modes {','.join(args.mode_list)} "
-                   f"fused_loss {args.fused_loss}")
+                   f"fused_loss {args.fused_loss} attention {args.attention}")
     if set(args.mode_list) != set(MODES):
         calibration += f" (other modes' figures from {args.base.name})"
     write_profile(args, figures, not_measured, calibration)
