@@ -25,6 +25,19 @@ Any `engine.*` placement set explicitly overrides `auto` / -1. A plan that does 
 table and, where smaller state formats would fit, up to three of them (the most precise first) with their totals. The GPU figures are tensor memory (`allocated`, what `torch.cuda.max_memory_allocated` measures) plus a
 reserved margin for the allocator's fragmentation and the CUDA context that the budget keeps free.
 
+Recompute groups (`engine.checkpoint_every` = g). At long context the kept layer inputs (4 B x hidden per token
+per layer) outgrow both tiers: qwen7b at 512K tokens keeps 7 GiB per layer, 196 GiB in all. With g > 1 only the
+inputs with index i % g == 0 (0-based) of the n recomputed layers are kept, one per group of g consecutive layers;
+when the backward reaches a group (at its last layer) the engine reruns the group's forward without autograd from
+the kept input and holds the group's inputs of every micro-batch on the GPU until their layers' backward has run.
+Memory: the layer-input row counts the ceil(n / g) kept inputs, on its tier; a GPU row, whatever that tier, holds one
+group's regenerated inputs (min(g, n) layers' worth). Time: s - 1 extra layer forwards per group of s layers at the
+forward's speed, and the weights of those s - 1 layers loaded once more unless GPU-resident or cached. With -1, g = 1
+is planned exactly as without groups; only when nothing fits are g = 2, 3, ... n tried, and the smallest with which
+the plan fits wins (the extra forwards grow with g). A g that a bound rules out (HBM must hold the working set and
+one group, the host whatever of the state, the kept inputs and the gradients the rest of HBM cannot) is skipped
+without a search; a refusal shows the g = 1 plan and says that no g fitted.
+
 Time. `predict_stream` models one step from the calibrated figures of the hardware profile (bench/calibrate.py
 measures them on the machine, for compiled and for eager templates: the planner uses the mode the run executes in,
 never a figure fitted on the run it predicts): layer forward and backward (recompute included) TFLOPS, the head's,
@@ -64,6 +77,7 @@ class MemoryPlan:
     binding: str = ""
     speeds: str = ""  # where the time model's figures come from
     suggestions: List[str] = field(default_factory=list)  # smaller state formats that fit, for a refusal
+    notes: List[str] = field(default_factory=list)  # for a refusal: what else was tried
 
     reserved: Dict[str, int] = field(default_factory=dict)  # bytes per tier held back, not allocated as tensors
 
@@ -96,8 +110,8 @@ class MemoryPlan:
         alternatives = "a smaller model or other hardware"
         if self.engine == "reference":
             alternatives += ", or engine=stream (state in host RAM)"
-        text = (f"The plan needs {' and '.join(over)}. Try fewer tokens per step (train.micro_batch_size, "
-                f"train.grad_accum, train.seq_len), {alternatives}.")
+        text = (f"The plan needs {' and '.join(over)}. {''.join(note + ' ' for note in self.notes)}Try fewer "
+                f"tokens per step (train.micro_batch_size, train.grad_accum, train.seq_len), {alternatives}.")
         if self.suggestions:
             text += " Smaller training-state formats that fit (engine/formats.py):\n" + "\n".join(self.suggestions)
         return text
@@ -208,7 +222,9 @@ def formats_that_fit(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, c
             continue
         if not plan.problem():
             engine = "engine=stream " if cfg.engine.name != "stream" else ""
-            found.append(f"model={cfg.model.name}: fits with {engine}{fmt.overrides()}: "
+            g = plan.placement["checkpoint_every"]
+            groups = f" engine.checkpoint_every={g}" if g > 1 else ""
+            found.append(f"model={cfg.model.name}: fits with {engine}{fmt.overrides()}{groups}: "
                          f"host {plan.total('host') / GIB:.1f} GiB, GPU {plan.total('gpu') / GIB:.1f} GiB")
             if len(found) == limit:
                 break
@@ -343,7 +359,9 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     streamed unit, its staging buffer is free (two buffers, freed by the D2H). Compute runs each unit when its
     weights are in. The host AdamW updates its units in order from the start of the forward, at its rate under PCIe
     load. Exposed wait: forward time beyond its compute. Backward: per layer the larger of its compute and its
-    transfers. The binding resource has the most busy time."""
+    transfers; the backward reaches a recompute group at its last layer, which also regenerates the group (the
+    forward of its other layers, their weights loaded again, the kept input brought in). The binding resource has
+    the most busy time."""
     n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]
     cached = placement["cache_weights"] == "on"
     grads_host = placement["grads_tier"] == "host"
@@ -355,6 +373,7 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     layer_input_bytes = 4 * s.h * s.step_tokens  # one layer's kept inputs, all micro-batches
     compute = [s.layer_fwd_flops / sp.fwd if 1 <= u <= s.L else 0.0 for u in range(n_units)]
     first_kept = s.L - placement.get("keep_activation_layers", 0) + 1  # layers from here on keep their graphs
+    g = placement["checkpoint_every"]
 
     host_done, clock = [0.0] * n_units, 0.0
     for u in range(n_units):
@@ -377,7 +396,7 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
             h2d_t = 0.0 if place[u] == "resident" else s.fmt.master_bytes(numel[u]) / sp.h2d
         h2d_end[u] = h2d_prev = start + h2d_t
         d2h_t = (s.fmt.state_bytes(numel[u]) / link_each if place[u] == "streamed" else 0.0) + \
-            (layer_input_bytes / sp.d2h if activations_host and 1 <= u < first_kept else 0.0)
+            (layer_input_bytes / sp.d2h if activations_host and 1 <= u < first_kept and (u - 1) % g == 0 else 0.0)
         d2h_end[u] = d2h_prev = max(d2h_prev, h2d_end[u]) + d2h_t
         h2d_busy += h2d_t
         d2h_busy += d2h_t
@@ -387,13 +406,21 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     fwd_h2d, fwd_d2h = h2d_busy, d2h_busy
     head = s.head_flops / sp.head
     backward = 0.0
+
+    def weights_in(u: int) -> float:
+        return 0.0 if cached or place[u] == "resident" else s.fmt.master_bytes(numel[u]) / sp.h2d
+
     for u in range(1, s.L + 1):
         kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
-        reload = 0.0 if cached or kept or place[u] == "resident" else s.fmt.master_bytes(numel[u]) / sp.h2d
+        layer_compute = (2 if kept else 3) * s.layer_fwd_flops / sp.bwd
+        h2d = 0.0 if kept else weights_in(u)
+        if not kept and (u % g == 0 or u == first_kept - 1):  # the last layer of its group: regenerate the group
+            others = range(u - (u - 1) % g, u)  # the layers from the one reading the kept input up to u - 1
+            layer_compute += len(others) * s.layer_fwd_flops / sp.fwd
+            h2d += sum(weights_in(v) for v in others) + (layer_input_bytes / sp.h2d if activations_host else 0.0)
         grad_out = s.fmt.grad_bytes(numel[u]) / sp.d2h if grads_host and place[u] == "host" else 0.0
-        act_in = layer_input_bytes / sp.h2d if activations_host and not kept else 0.0
-        backward += max((2 if kept else 3) * s.layer_fwd_flops / sp.bwd, reload + act_in, grad_out)
-        h2d_busy += reload + act_in
+        backward += max(layer_compute, h2d, grad_out)
+        h2d_busy += h2d
         d2h_busy += grad_out
     resident_adam = s.fmt.update_hbm_bytes(sum(numel[:n_res])) / HBM_ADAMW_BYTES_PER_S
     host_total = sum(n for n, p in zip(numel, place) if p == "host") / sp.adam_pcie
@@ -406,12 +433,14 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     return times, max(busy_by, key=busy_by.get)
 
 
-def _placements(s: _Shape, e, n_kept: int, splits, fixed_split: bool, nbytes: Dict[str, float]):
-    """([(placement, free GPU bytes)] of every split that fits with `n_kept` kept graphs, the forced placement of
-    the first split). HBM left after the fixed working set is spent in the module docstring's order."""
+def _placements(s: _Shape, e, n_kept: int, g: int, splits, fixed_split: bool, nbytes: Dict[str, float]):
+    """([(placement, free GPU bytes)] of every split that fits with `n_kept` kept graphs and recompute groups of
+    `g`, the forced placement of the first split). HBM left after the fixed working set is spent in the module
+    docstring's order."""
     free = nbytes["free"]
     host_free = nbytes["host_free"]
-    placement: Dict[str, object] = {"slots": min(e.slots, s.L), "keep_activation_layers": n_kept}
+    placement: Dict[str, object] = {"slots": min(e.slots, s.L), "keep_activation_layers": n_kept,
+                                    "checkpoint_every": g}
 
     def place(key: str, extra_gpu_bytes: float, forced: str) -> bool:
         nonlocal free
@@ -509,14 +538,19 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
             (f"autograd graphs of the last {n_kept} layers (no recompute)", n_kept * s.kept_graph_bytes),
         ]
 
-    def activation_bytes(n_kept: int) -> int:
-        return (L - n_kept) * 4 * s.h * s.step_tokens  # kept layers' inputs live in their graphs
+    def activation_bytes(n_kept: int, g: int) -> int:
+        """The kept inputs of the recomputed layers (kept layers' inputs live in their graphs)."""
+        return len(range(0, L - n_kept, g)) * 4 * s.h * s.step_tokens
+
+    def regenerated_bytes(n_kept: int, g: int) -> int:
+        """One recompute group's regenerated inputs, held on the GPU during its backward."""
+        return min(g, L - n_kept) * 4 * s.h * s.step_tokens if g > 1 else 0
 
     def rows_for(placement: Dict[str, object]) -> MemoryPlan:
         """The memory plan of one placement: every row, both tiers."""
         plan = MemoryPlan(engine="stream", limits_gib={"gpu": gpu_gib if on_gpu else 0.0, "host": host_gib})
         plan.placement = placement
-        n_kept = placement["keep_activation_layers"]
+        n_kept, g = placement["keep_activation_layers"], placement["checkpoint_every"]
         n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]
         n_host = len(layouts) - n_res - n_str
         grads_on_gpu = placement["grads_tier"] == "gpu"
@@ -532,7 +566,10 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
             plan.add(compute_tier, f"staging for GPU-streamed updates (state of the largest of {n_str} units, x2)",
                      s.staging_bytes(n_res, n_str))
         plan.add(compute_tier if placement["activation_tier"] == "gpu" else "host",
-                 "layer-input activations (all micro-batches)", activation_bytes(n_kept))
+                 "layer-input activations (all micro-batches)", activation_bytes(n_kept, g))
+        if g > 1:
+            plan.add(compute_tier, f"regenerated layer inputs (one group of {g}, all micro-batches)",
+                     regenerated_bytes(n_kept, g))
         if grads_on_gpu:
             plan.add(compute_tier, f"{fmt.grad} gradients of every unit until the norm is known", grad_bytes)
             if n_host:
@@ -569,9 +606,11 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
     def streamed_default(n_res: int) -> int:
         return e.gpu_streamed_units if e.gpu_streamed_units >= 0 else (n_units - n_res if gpu_updated_only else 0)
 
+    unfit_note = ""
     if not on_gpu:  # one memory: explicit choices are honoured so CPU runs exercise every code path
         placement: Dict[str, object] = {
             "slots": min(e.slots, L), "keep_activation_layers": max(0, e.keep_activation_layers),
+            "checkpoint_every": max(1, e.checkpoint_every),
             "activation_tier": "gpu" if e.activation_tier == "gpu" else "host",
             "grads_tier": "gpu" if e.grads_tier == "gpu" else "host",
             "cache_weights": "on" if e.cache_weights == "on" else "off",
@@ -590,24 +629,64 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
             splits = [(max(0, e.gpu_resident_units), streamed_default(max(0, e.gpu_resident_units)))]
             kept_choices = [max(0, e.keep_activation_layers)]
         fixed_split = e.gpu_resident_units >= 0 and e.gpu_streamed_units >= 0
-        candidates, fallback = [], None
-        for n_kept in kept_choices:
-            found = _placements(s, e, n_kept, splits, fixed_split, {
-                "free": gpu_gib * GIB - sum(b for _, b in fixed_rows(n_kept)) - ring_bytes - side_grad_bytes
-                - margin_gib * GIB,
-                "host_free": host_gib * GIB - sum(state_bytes) - 2 * GIB, "activation": activation_bytes(n_kept),
-                "grad": grad_bytes, "side_grad": side_grad_bytes, "cache": cache_bytes, "ring": ring_bytes})
-            if fallback is None:
-                fallback = found[1]
-            candidates += found[0]
-            if not found[0] and e.keep_activation_layers < 0:
-                break  # more kept graphs fit no better
-        fitting = [c for c in candidates if not rows_for(c[0]).problem()]
+
+        fixed_bytes = {n_kept: sum(b for _, b in fixed_rows(n_kept)) for n_kept in kept_choices}
+
+        def hbm_left(n_kept: int, g: int) -> float:
+            """GPU bytes beyond the fixed working set, the layer ring, the shared accumulators and the margin."""
+            return (gpu_gib * GIB - fixed_bytes[n_kept] - ring_bytes - side_grad_bytes - margin_gib * GIB
+                    - regenerated_bytes(n_kept, g))
+
+        def search(g: int) -> Tuple[list, dict, list]:
+            """(every candidate placement with recompute groups of `g`, the forced placement of the first split,
+            the candidates that fit both tiers)."""
+            candidates, fallback = [], None
+            for n_kept in kept_choices:
+                found = _placements(s, e, n_kept, g, splits, fixed_split, {
+                    "free": hbm_left(n_kept, g),
+                    "host_free": host_gib * GIB - sum(state_bytes) - 2 * GIB,
+                    "activation": activation_bytes(n_kept, g), "grad": grad_bytes, "side_grad": side_grad_bytes,
+                    "cache": cache_bytes, "ring": ring_bytes})
+                if fallback is None:
+                    fallback = found[1]
+                candidates += found[0]
+                if not found[0] and e.keep_activation_layers < 0:
+                    break  # more kept graphs fit no better
+            return candidates, fallback, [c for c in candidates if not rows_for(c[0]).problem()]
+
+        # the process, the state and every gradient but the embedding's, the head's and two layers' (those are in
+        # the shared accumulators), whichever tier holds them
+        held_anyway = hw.host_process_gib * GIB + sum(state_bytes) + fmt.grad_bytes(
+            sum(lay.numel for lay in layouts[1:-1]) - min(2, L) * s.layer_numel)
+
+        def may_fit(g: int) -> bool:
+            """A necessary condition for groups of `g` to fit, cheap beside `search`: for some kept-graph count, HBM
+            holds the working set and the host holds what of the state, kept inputs and gradients the rest of HBM
+            cannot."""
+            for n_kept in kept_choices:
+                left = hbm_left(n_kept, g) + ring_bytes - min(ring_bytes, cache_bytes)  # cached slots replace the ring
+                if left >= 0 and held_anyway + activation_bytes(n_kept, g) - left <= host_gib * GIB:
+                    return True
+            return False
+
+        candidates, fallback, fitting = search(max(1, e.checkpoint_every))
+        if e.checkpoint_every < 0 and not fitting:  # every input kept does not fit: the smallest group that does
+            groups = range(2, L - min(kept_choices) + 1)
+            for g in groups:
+                found = search(g) if may_fit(g) else None
+                if found and found[2]:
+                    candidates, fallback, fitting = found
+                    break
+            if not fitting and groups:
+                unfit_note = (f"No engine.checkpoint_every from 2 to {groups[-1]} (recompute groups, one layer input "
+                              "kept per group) fits either.")
         chosen = choose_split(s, sp, fitting)
         if chosen is None and candidates:  # nothing fits both tiers: the closest plan, for the refusal to show
             chosen = min(candidates, key=lambda c: rows_for(c[0]).overflow_bytes())
         placement = dict(chosen[0] if chosen else fallback)
     plan = rows_for(placement)
+    if unfit_note:
+        plan.notes.append(unfit_note)
     if sp.known:
         plan.times_s, plan.binding = predict_stream(s, sp, placement)
         plan.speeds = sp.describe(hw)

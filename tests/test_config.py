@@ -209,6 +209,8 @@ BAD = {
     "engine.gpu_resident_units": ["engine.gpu_resident_units=-2"],
     "engine.gpu_streamed_units": ["engine.gpu_streamed_units=-2"],
     "engine.keep_activation_layers": ["engine.keep_activation_layers=-2", "engine.keep_activation_layers=99"],
+    "engine.checkpoint_every": ["engine.checkpoint_every=0", "engine.checkpoint_every=-2",
+                                "engine.checkpoint_every=99", "engine.checkpoint_every=two"],
     "engine.fused_kernels": ["engine.fused_kernels=maybe"],
     "seed": ["seed=-1", "seed=abc", f"seed={2**63}"],
     "plan": ["plan=maybe"],

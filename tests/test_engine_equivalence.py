@@ -107,6 +107,9 @@ def test_stream_matches_reference_bit_for_bit(family, reference_runs):
     ["engine.keep_activation_layers=3", "engine.gpu_resident_units=2", "engine.gpu_streamed_units=2",
      "engine.grads_tier=gpu"],
     ["engine.keep_activation_layers=1", "engine.cache_weights=on", "engine.activation_tier=gpu"],
+    ["engine.checkpoint_every=2"],
+    ["engine.checkpoint_every=3", "engine.activation_tier=gpu", "engine.grads_tier=gpu"],
+    ["engine.checkpoint_every=2", "engine.keep_activation_layers=1", "engine.gpu_streamed_units=2", "engine.slots=3"],
 ])
 def test_every_placement_is_exact(placement, reference_runs):
     """Placements are orthogonal to the fused accumulation kernel, which the family tests run (under the Triton
@@ -115,6 +118,32 @@ def test_every_placement_is_exact(placement, reference_runs):
     rec, w, m, _ = train("stream", [*placement, "engine.fused_kernels=false"])
     assert [r["loss"] for r in rec] == [r["loss"] for r in ref_rec]
     assert [r["grad_norm"] for r in rec] == [r["grad_norm"] for r in ref_rec]
+    assert_same(w, ref_w)
+    assert_same(m, ref_m)
+
+
+@pytest.mark.parametrize("every, over, stored", [
+    (2, [], [0, 2]),  # SMALL's 3 layers: groups {0, 1} and {2}
+    (3, ["engine.activation_tier=gpu"], [0]),  # one group of all three
+    (2, ["model.num_hidden_layers=5", "engine.keep_activation_layers=1"], [0, 2]),  # 4 recomputed: {0, 1} {2, 3}
+])
+def test_recompute_groups_keep_every_nth_input_and_regenerate_the_rest(monkeypatch, every, over, stored):
+    """With engine.checkpoint_every=g only every g-th layer input is kept; the backward regenerates the others by
+    running the group's forward again, and training stays bit-identical to the reference."""
+    from engine.streaming.engine import StreamEngine
+
+    regenerated = []
+    original = StreamEngine._regenerate
+    monkeypatch.setattr(StreamEngine, "_regenerate",
+                        lambda self, i, mb: (regenerated.append(i), original(self, i, mb))[1])
+    cfg, eng, _ = build("stream", [*over, f"engine.checkpoint_every={every}", "engine.fused_kernels=false"])
+    assert eng.stored_inputs == stored
+    eng.close()
+    rec, w, m, _ = train("stream", [*over, f"engine.checkpoint_every={every}", "engine.fused_kernels=false"],
+                         steps=3)
+    ref_rec, ref_w, ref_m, _ = train("reference", over, steps=3)
+    assert regenerated, "no group was regenerated"
+    assert [r["loss"] for r in rec] == [r["loss"] for r in ref_rec]
     assert_same(w, ref_w)
     assert_same(m, ref_m)
 

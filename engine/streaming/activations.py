@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -11,8 +11,9 @@ from engine.streaming.stall_timer import StallTimer
 
 
 class ActivationStore:
-    """The input of every decoder layer for every micro-batch, kept from the forward so the backward can recompute
-    the layer from it (activation checkpointing at layer granularity), on the GPU or in pinned host memory.
+    """The inputs of the decoder layers named by `layer_inputs`, for every micro-batch, kept from the forward so the
+    backward can recompute from them (activation checkpointing at layer granularity, or at the granularity of a
+    recompute group: engine/streaming/engine.py), on the GPU or in pinned host memory.
 
     Entry (i, m) is the input of decoder layer i (0-based) for micro-batch m; the head's input never leaves the GPU.
     Host-tier entries are copied out on the D2H stream once compute has produced them (record_stream keeps the GPU
@@ -20,7 +21,7 @@ class ActivationStore:
     """
 
     def __init__(self, dev: Device, h2d_stream, d2h_stream, host_buffer: Optional[torch.Tensor],
-                 num_layers: int, micro_batches: int, shape_BTD: tuple, timer: StallTimer):
+                 layer_inputs: Sequence[int], micro_batches: int, shape_BTD: tuple, timer: StallTimer):
         self.dev, self.h2d, self.d2h, self.timer = dev, h2d_stream, d2h_stream, timer
         self.shape = shape_BTD
         self.numel = shape_BTD[0] * shape_BTD[1] * shape_BTD[2]
@@ -29,12 +30,12 @@ class ActivationStore:
         self.host: Dict[tuple, torch.Tensor] = {}
         self.pending: Dict[tuple, tuple] = {}
         if host_buffer is not None:
-            need = num_layers * micro_batches * self.numel
+            need = len(layer_inputs) * micro_batches * self.numel
             if host_buffer.numel() < need:
                 raise ValueError(f"host activation buffer holds {host_buffer.numel()} elements, needs {need}")
-            for i in range(num_layers):
+            for n, i in enumerate(layer_inputs):
                 for m in range(micro_batches):
-                    k = (i * micro_batches + m) * self.numel
+                    k = (n * micro_batches + m) * self.numel
                     self.host[(i, m)] = host_buffer[k:k + self.numel].view(shape_BTD)
 
     def put(self, i: int, m: int, x: torch.Tensor) -> None:

@@ -12,7 +12,12 @@ One step over M micro-batches:
    or every layer when the plan caches weights) or streamed again; each micro-batch's forward is recomputed from its
    kept input with autograd on and back-propagated with `torch.autograd.grad`. The last `keep_activation_layers`
    layers skip that recompute: their forward ran with autograd on and kept its graph (which reads the weights in
-   the layer's own slot), so their backward starts from it. The layer's gradient accumulates in fp32 on the GPU
+   the layer's own slot), so their backward starts from it. With recompute groups (`checkpoint_every` = g > 1,
+   for contexts whose layer inputs do not fit: 7 GiB per layer for qwen7b at 512K tokens) only every g-th layer
+   input is kept; when the backward reaches a group, the group's forward runs again without autograd from its kept
+   input, layer-major (each layer's weights load once more), and its g inputs stay on the GPU until their layers'
+   backward: s - 1 extra layer forwards per group of s layers, exact (the same ops on the same weights), where
+   keeping inputs in bf16 instead would not be. The layer's gradient accumulates in fp32 on the GPU
    over micro-batches (bf16 autograd gradients are upcast exactly, as autocast's cast-backward does in the
    reference); the last micro-batch's accumulation also writes each tensor's sum of squares into the step's buffer
    (on the GPU from the fused kernel's registers, so no pass of its own reads the gradient again:
@@ -97,7 +102,12 @@ class StreamEngine:
         L, M = spec.num_layers, t.grad_accum
         self.shape_BTD = (t.micro_batch_size, t.seq_len, spec.arch.hidden)
         B, T, D = self.shape_BTD
-        activation_numel = 0 if activations_on_gpu else L * M * B * T * D
+        # recompute groups: of the recomputed layers (all but the last `keep_activation_layers`), only the inputs
+        # with index i % checkpoint_every == 0 are kept; the backward regenerates the others (`_regenerate`)
+        n_kept = placement.get("keep_activation_layers", 0)
+        self.checkpoint_every = placement.get("checkpoint_every", 1)
+        self.stored_inputs = [i for i in range(L - n_kept) if i % self.checkpoint_every == 0]
+        activation_numel = 0 if activations_on_gpu else len(self.stored_inputs) * M * B * T * D
         n_units = len(spec.units)
         # the three update places (DESIGN.md §4), in forward order: GPU-resident, GPU-streamed, host
         n_resident = placement.get("gpu_resident_units", 0)
@@ -149,7 +159,7 @@ class StreamEngine:
             u: self.loader.new_slot([layouts[u]]) for u in sorted(self.resident_units) if 0 < u <= L}
         # the last `keep_activation_layers` layers keep their forward's autograd graph (no recompute); the graph
         # reads the layer's weights in its slot, so each has a slot of its own until its backward
-        self.kept_layers = set(range(L - placement.get("keep_activation_layers", 0) + 1, L + 1))
+        self.kept_layers = set(range(L - n_kept + 1, L + 1))
         self.kept_slots = {} if self.cache_weights else {
             u: self.loader.new_slot([layouts[u]]) for u in sorted(self.kept_layers) if u not in self.device_slots}
         self.graphs: Dict[Tuple[int, int], tuple] = {}  # (layer unit, micro-batch) -> (input leaf, output, params)
@@ -175,8 +185,9 @@ class StreamEngine:
         self.sq_norms = torch.zeros(sum(n_tensors), dtype=torch.float32, device=device)
         self.sq_slices = self.sq_norms.split(n_tensors)
 
-        self.activations = ActivationStore(self.dev, self.h2d, self.d2h, self.store.activations, L, M,
-                                           self.shape_BTD, self.timer)
+        self.activations = ActivationStore(self.dev, self.h2d, self.d2h, self.store.activations,
+                                           self.stored_inputs, M, self.shape_BTD, self.timer)
+        self.regenerated: Dict[Tuple[int, int], torch.Tensor] = {}  # (input index, micro-batch) -> layer input
         self.rope = spec.rope(t.seq_len, device)
         self.version = 0  # number of optimizer passes submitted: the weights' generation
         self.updated = [threading.Event() for _ in spec.units]
@@ -329,7 +340,7 @@ class StreamEngine:
                 p = _leaves(p)
             with torch.set_grad_enabled(kept), autocast_ctx(self.dev.device, self.compute_dtype):
                 for m in range(len(x)):
-                    if keep and not kept:
+                    if keep and not kept and (k - 1) % self.checkpoint_every == 0:
                         self.activations.put(k - 1, m, x[m])
                     if kept:
                         x_in = x[m].detach().requires_grad_()
@@ -375,18 +386,20 @@ class StreamEngine:
             if kept:  # weights still in the layer's own slot, read by the kept graph
                 self._load_ahead(order, k, wait=False)
             else:
+                if (unit - 1) % self.checkpoint_every and (unit - 1, 0) not in self.regenerated:
+                    self._regenerate(unit - 1, len(dx))
                 p = _leaves(self._enter(order, k))
             acc = self._acc_for(unit)
             for m in range(len(dx)):  # prefetch the next layer input the backward will recompute from
                 if m + 1 < len(dx):
                     if not kept:
-                        self.activations.prefetch(unit - 1, m + 1)
+                        self._prefetch_input(unit - 1, m + 1)
                 elif k + 1 < len(order) and order[k + 1] not in self.kept_layers:
-                    self.activations.prefetch(unit - 2, 0)
+                    self._prefetch_input(unit - 2, 0)
                 if kept:
                     x_in, y, p = self.graphs.pop((unit, m))
                 else:
-                    x_in = self.activations.get(unit - 1, m).requires_grad_()
+                    x_in = self._layer_input(unit - 1, m).requires_grad_()
                     with autocast_ctx(self.dev.device, self.compute_dtype):
                         y = spec.layer(p, x_in, self.rope)
                 names = list(p)
@@ -397,6 +410,31 @@ class StreamEngine:
             self._release(unit)
             self._load_ahead(order, k, wait=True)
             self._finish_grad(unit, grad_hook)
+
+    def _prefetch_input(self, i: int, m: int) -> None:
+        if i % self.checkpoint_every == 0 and (i, m) not in self.regenerated:
+            self.activations.prefetch(i, m)
+
+    def _layer_input(self, i: int, m: int) -> torch.Tensor:
+        x = self.regenerated.pop((i, m), None)
+        return x if x is not None else self.activations.get(i, m)
+
+    def _regenerate(self, i: int, micro_batches: int) -> None:
+        """Layer inputs base..i of every micro-batch, base the first input of i's recompute group: the kept input
+        of layer base, then the forward (no autograd) of the layers between, layer-major so each one's weights
+        load once. Bit-identical to what the forward computed (the same ops on the same weights)."""
+        spec, base = self.spec, i - i % self.checkpoint_every
+        x = [self.activations.get(base, m) for m in range(micro_batches)]
+        for m in range(micro_batches):
+            self.regenerated[(base, m)] = x[m]
+        order = list(range(base + 1, i + 1))  # layer unit u maps input u - 1 to input u
+        for k, unit in enumerate(order):
+            p = self._enter(order, k)
+            with torch.no_grad(), autocast_ctx(self.dev.device, self.compute_dtype):
+                for m in range(micro_batches):
+                    x[m] = spec.layer(p, x[m], self.rope)
+                    self.regenerated[(unit, m)] = x[m]
+            self._release(unit)
 
     def _embed_backward(self, ids: List[torch.Tensor], dx: List[torch.Tensor], grad_hook) -> None:
         name = self.spec.tied_weight_name
@@ -428,6 +466,7 @@ class StreamEngine:
         self.timer.mark("backward")
         del dx
         self.activations.clear()
+        self.regenerated.clear()
 
         total_norm = optim.global_norm(self.sq_norms)
         norm_value = float(total_norm)  # the step's one synchronisation
