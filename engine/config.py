@@ -209,7 +209,7 @@ class EngineConfig:
     # stream: recompute groups. Of the recomputed layers, only every N-th layer input is kept for the backward, which
     # regenerates the others group by group from it (N - 1 extra layer forwards per group, the group's N inputs on
     # the GPU meanwhile); -1: 1 (every input kept), or the smallest N with which the plan fits
-    checkpoint_every: int = -1
+    recompute_group: int = -1
     fused_kernels: bool = True  # stream: Triton gradient accumulation (engine/kernels/grad_accum.py); off: torch ops
 
 
@@ -399,11 +399,11 @@ def validate(cfg: DictConfig) -> None:
     if e.keep_activation_layers > cfg.model.num_hidden_layers:
         raise ConfigError(f"engine.keep_activation_layers={e.keep_activation_layers} must be <= "
                           f"model.num_hidden_layers={cfg.model.num_hidden_layers}")
-    if e.checkpoint_every == 0 or e.checkpoint_every < -1:
-        raise ConfigError(f"engine.checkpoint_every={e.checkpoint_every} is not valid; use -1 (auto) or a number of "
+    if e.recompute_group == 0 or e.recompute_group < -1:
+        raise ConfigError(f"engine.recompute_group={e.recompute_group} is not valid; use -1 (auto) or a number of "
                           "layers per recompute group >= 1")
-    if e.checkpoint_every > cfg.model.num_hidden_layers:
-        raise ConfigError(f"engine.checkpoint_every={e.checkpoint_every} must be <= "
+    if e.recompute_group > cfg.model.num_hidden_layers:
+        raise ConfigError(f"engine.recompute_group={e.recompute_group} must be <= "
                           f"model.num_hidden_layers={cfg.model.num_hidden_layers}")
     if e.name == "stream" and not cfg.train.activation_checkpointing:
         raise ConfigError("train.activation_checkpointing=false does not apply to engine=stream, which keeps layer "

@@ -25,7 +25,7 @@ Any `engine.*` placement set explicitly overrides `auto` / -1. A plan that does 
 table and, where smaller state formats would fit, up to three of them (the most precise first) with their totals. The GPU figures are tensor memory (`allocated`, what `torch.cuda.max_memory_allocated` measures) plus a
 reserved margin for the allocator's fragmentation and the CUDA context that the budget keeps free.
 
-Recompute groups (`engine.checkpoint_every` = g). At long context the kept layer inputs (4 B x hidden per token
+Recompute groups (`engine.recompute_group` = g). At long context the kept layer inputs (4 B x hidden per token
 per layer) outgrow both tiers: qwen7b at 512K tokens keeps 7 GiB per layer, 196 GiB in all. With g > 1 only the
 inputs with index i % g == 0 (0-based) of the n recomputed layers are kept, one per group of g consecutive layers;
 when the backward reaches a group (at its last layer) the engine reruns the group's forward without autograd from
@@ -222,8 +222,8 @@ def formats_that_fit(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, c
             continue
         if not plan.problem():
             engine = "engine=stream " if cfg.engine.name != "stream" else ""
-            g = plan.placement["checkpoint_every"]
-            groups = f" engine.checkpoint_every={g}" if g > 1 else ""
+            g = plan.placement["recompute_group"]
+            groups = f" engine.recompute_group={g}" if g > 1 else ""
             found.append(f"model={cfg.model.name}: fits with {engine}{fmt.overrides()}{groups}: "
                          f"host {plan.total('host') / GIB:.1f} GiB, GPU {plan.total('gpu') / GIB:.1f} GiB")
             if len(found) == limit:
@@ -373,7 +373,7 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     layer_input_bytes = 4 * s.h * s.step_tokens  # one layer's kept inputs, all micro-batches
     compute = [s.layer_fwd_flops / sp.fwd if 1 <= u <= s.L else 0.0 for u in range(n_units)]
     first_kept = s.L - placement.get("keep_activation_layers", 0) + 1  # layers from here on keep their graphs
-    g = placement["checkpoint_every"]
+    g = placement["recompute_group"]
 
     host_done, clock = [0.0] * n_units, 0.0
     for u in range(n_units):
@@ -440,7 +440,7 @@ def _placements(s: _Shape, e, n_kept: int, g: int, splits, fixed_split: bool, nb
     free = nbytes["free"]
     host_free = nbytes["host_free"]
     placement: Dict[str, object] = {"slots": min(e.slots, s.L), "keep_activation_layers": n_kept,
-                                    "checkpoint_every": g}
+                                    "recompute_group": g}
 
     def place(key: str, extra_gpu_bytes: float, forced: str) -> bool:
         nonlocal free
@@ -550,7 +550,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
         """The memory plan of one placement: every row, both tiers."""
         plan = MemoryPlan(engine="stream", limits_gib={"gpu": gpu_gib if on_gpu else 0.0, "host": host_gib})
         plan.placement = placement
-        n_kept, g = placement["keep_activation_layers"], placement["checkpoint_every"]
+        n_kept, g = placement["keep_activation_layers"], placement["recompute_group"]
         n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]
         n_host = len(layouts) - n_res - n_str
         grads_on_gpu = placement["grads_tier"] == "gpu"
@@ -610,7 +610,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
     if not on_gpu:  # one memory: explicit choices are honoured so CPU runs exercise every code path
         placement: Dict[str, object] = {
             "slots": min(e.slots, L), "keep_activation_layers": max(0, e.keep_activation_layers),
-            "checkpoint_every": max(1, e.checkpoint_every),
+            "recompute_group": max(1, e.recompute_group),
             "activation_tier": "gpu" if e.activation_tier == "gpu" else "host",
             "grads_tier": "gpu" if e.grads_tier == "gpu" else "host",
             "cache_weights": "on" if e.cache_weights == "on" else "off",
@@ -669,8 +669,8 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
                     return True
             return False
 
-        candidates, fallback, fitting = search(max(1, e.checkpoint_every))
-        if e.checkpoint_every < 0 and not fitting:  # every input kept does not fit: the smallest group that does
+        candidates, fallback, fitting = search(max(1, e.recompute_group))
+        if e.recompute_group < 0 and not fitting:  # every input kept does not fit: the smallest group that does
             groups = range(2, L - min(kept_choices) + 1)
             for g in groups:
                 found = search(g) if may_fit(g) else None
@@ -678,7 +678,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
                     candidates, fallback, fitting = found
                     break
             if not fitting and groups:
-                unfit_note = (f"No engine.checkpoint_every from 2 to {groups[-1]} (recompute groups, one layer input "
+                unfit_note = (f"No engine.recompute_group from 2 to {groups[-1]} (recompute groups, one layer input "
                               "kept per group) fits either.")
         chosen = choose_split(s, sp, fitting)
         if chosen is None and candidates:  # nothing fits both tiers: the closest plan, for the refusal to show

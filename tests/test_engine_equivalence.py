@@ -107,9 +107,9 @@ def test_stream_matches_reference_bit_for_bit(family, reference_runs):
     ["engine.keep_activation_layers=3", "engine.gpu_resident_units=2", "engine.gpu_streamed_units=2",
      "engine.grads_tier=gpu"],
     ["engine.keep_activation_layers=1", "engine.cache_weights=on", "engine.activation_tier=gpu"],
-    ["engine.checkpoint_every=2"],
-    ["engine.checkpoint_every=3", "engine.activation_tier=gpu", "engine.grads_tier=gpu"],
-    ["engine.checkpoint_every=2", "engine.keep_activation_layers=1", "engine.gpu_streamed_units=2", "engine.slots=3"],
+    ["engine.recompute_group=2"],
+    ["engine.recompute_group=3", "engine.activation_tier=gpu", "engine.grads_tier=gpu"],
+    ["engine.recompute_group=2", "engine.keep_activation_layers=1", "engine.gpu_streamed_units=2", "engine.slots=3"],
 ])
 def test_every_placement_is_exact(placement, reference_runs):
     """Placements are orthogonal to the fused accumulation kernel, which the family tests run (under the Triton
@@ -128,7 +128,7 @@ def test_every_placement_is_exact(placement, reference_runs):
     (2, ["model.num_hidden_layers=5", "engine.keep_activation_layers=1"], [0, 2]),  # 4 recomputed: {0, 1} {2, 3}
 ])
 def test_recompute_groups_keep_every_nth_input_and_regenerate_the_rest(monkeypatch, every, over, stored):
-    """With engine.checkpoint_every=g only every g-th layer input is kept; the backward regenerates the others by
+    """With engine.recompute_group=g only every g-th layer input is kept; the backward regenerates the others by
     running the group's forward again, and training stays bit-identical to the reference."""
     from engine.streaming.engine import StreamEngine
 
@@ -136,10 +136,10 @@ def test_recompute_groups_keep_every_nth_input_and_regenerate_the_rest(monkeypat
     original = StreamEngine._regenerate
     monkeypatch.setattr(StreamEngine, "_regenerate",
                         lambda self, i, mb: (regenerated.append(i), original(self, i, mb))[1])
-    cfg, eng, _ = build("stream", [*over, f"engine.checkpoint_every={every}", "engine.fused_kernels=false"])
+    cfg, eng, _ = build("stream", [*over, f"engine.recompute_group={every}", "engine.fused_kernels=false"])
     assert eng.stored_inputs == stored
     eng.close()
-    rec, w, m, _ = train("stream", [*over, f"engine.checkpoint_every={every}", "engine.fused_kernels=false"],
+    rec, w, m, _ = train("stream", [*over, f"engine.recompute_group={every}", "engine.fused_kernels=false"],
                          steps=3)
     ref_rec, ref_w, ref_m, _ = train("reference", over, steps=3)
     assert regenerated, "no group was regenerated"

@@ -45,7 +45,7 @@ PLACEMENTS = {
                                "engine.grads_tier=gpu", "engine.cache_weights=on"],
     "2-kept-graphs-streamed": ["engine.keep_activation_layers=2", "engine.gpu_resident_units=1",
                                "engine.gpu_streamed_units=2", "engine.grads_tier=host", "engine.cache_weights=off"],
-    "recompute-groups-of-2-host-activations": ["engine.checkpoint_every=2", "engine.activation_tier=host",
+    "recompute-groups-of-2-host-activations": ["engine.recompute_group=2", "engine.activation_tier=host",
                                                "engine.grads_tier=host", "engine.cache_weights=off"],
 }
 LOSS_ATOL, WEIGHT_ATOL = 1e-4, 1e-4

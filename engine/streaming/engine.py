@@ -12,7 +12,7 @@ One step over M micro-batches:
    or every layer when the plan caches weights) or streamed again; each micro-batch's forward is recomputed from its
    kept input with autograd on and back-propagated with `torch.autograd.grad`. The last `keep_activation_layers`
    layers skip that recompute: their forward ran with autograd on and kept its graph (which reads the weights in
-   the layer's own slot), so their backward starts from it. With recompute groups (`checkpoint_every` = g > 1,
+   the layer's own slot), so their backward starts from it. With recompute groups (`recompute_group` = g > 1,
    for contexts whose layer inputs do not fit: 7 GiB per layer for qwen7b at 512K tokens) only every g-th layer
    input is kept; when the backward reaches a group, the group's forward runs again without autograd from its kept
    input, layer-major (each layer's weights load once more), and its g inputs stay on the GPU until their layers'
@@ -103,10 +103,10 @@ class StreamEngine:
         self.shape_BTD = (t.micro_batch_size, t.seq_len, spec.arch.hidden)
         B, T, D = self.shape_BTD
         # recompute groups: of the recomputed layers (all but the last `keep_activation_layers`), only the inputs
-        # with index i % checkpoint_every == 0 are kept; the backward regenerates the others (`_regenerate`)
+        # with index i % recompute_group == 0 are kept; the backward regenerates the others (`_regenerate`)
         n_kept = placement.get("keep_activation_layers", 0)
-        self.checkpoint_every = placement.get("checkpoint_every", 1)
-        self.stored_inputs = [i for i in range(L - n_kept) if i % self.checkpoint_every == 0]
+        self.recompute_group = placement.get("recompute_group", 1)
+        self.stored_inputs = [i for i in range(L - n_kept) if i % self.recompute_group == 0]
         activation_numel = 0 if activations_on_gpu else len(self.stored_inputs) * M * B * T * D
         n_units = len(spec.units)
         # the three update places (DESIGN.md §4), in forward order: GPU-resident, GPU-streamed, host
@@ -340,7 +340,7 @@ class StreamEngine:
                 p = _leaves(p)
             with torch.set_grad_enabled(kept), autocast_ctx(self.dev.device, self.compute_dtype):
                 for m in range(len(x)):
-                    if keep and not kept and (k - 1) % self.checkpoint_every == 0:
+                    if keep and not kept and (k - 1) % self.recompute_group == 0:
                         self.activations.put(k - 1, m, x[m])
                     if kept:
                         x_in = x[m].detach().requires_grad_()
@@ -386,7 +386,7 @@ class StreamEngine:
             if kept:  # weights still in the layer's own slot, read by the kept graph
                 self._load_ahead(order, k, wait=False)
             else:
-                if (unit - 1) % self.checkpoint_every and (unit - 1, 0) not in self.regenerated:
+                if (unit - 1) % self.recompute_group and (unit - 1, 0) not in self.regenerated:
                     self._regenerate(unit - 1, len(dx))
                 p = _leaves(self._enter(order, k))
             acc = self._acc_for(unit)
@@ -412,7 +412,7 @@ class StreamEngine:
             self._finish_grad(unit, grad_hook)
 
     def _prefetch_input(self, i: int, m: int) -> None:
-        if i % self.checkpoint_every == 0 and (i, m) not in self.regenerated:
+        if i % self.recompute_group == 0 and (i, m) not in self.regenerated:
             self.activations.prefetch(i, m)
 
     def _layer_input(self, i: int, m: int) -> torch.Tensor:
@@ -423,7 +423,7 @@ class StreamEngine:
         """Layer inputs base..i of every micro-batch, base the first input of i's recompute group: the kept input
         of layer base, then the forward (no autograd) of the layers between, layer-major so each one's weights
         load once. Bit-identical to what the forward computed (the same ops on the same weights)."""
-        spec, base = self.spec, i - i % self.checkpoint_every
+        spec, base = self.spec, i - i % self.recompute_group
         x = [self.activations.get(base, m) for m in range(micro_batches)]
         for m in range(micro_batches):
             self.regenerated[(base, m)] = x[m]

@@ -1,4 +1,4 @@
-"""Recompute groups in the planner (`engine.checkpoint_every`): which layer inputs are kept, the regenerated group's
+"""Recompute groups in the planner (`engine.recompute_group`): which layer inputs are kept, the regenerated group's
 GPU row, the extra forwards and weight loads in the predicted backward, and the search (g = 1 first, then the
 smallest g that fits)."""
 
@@ -34,46 +34,46 @@ def test_a_plan_that_fits_keeps_every_input_as_before():
     layer, and the same plan as asking for 1."""
     base = ["model=qwen7b", "engine=stream", "hardware=h200", "train=throughput", "train.seq_len=4096",
             "train.micro_batch_size=2", "train.grad_accum=8", "plan=true"]
-    auto, one = _plan([], base=base), _plan(["engine.checkpoint_every=1"], base=base)
-    assert auto.placement["checkpoint_every"] == 1 and not auto.problem()
+    auto, one = _plan([], base=base), _plan(["engine.recompute_group=1"], base=base)
+    assert auto.placement["recompute_group"] == 1 and not auto.problem()
     assert not any(name.startswith("regenerated") for _, name, _ in auto.rows)
     recomputed = 28 - auto.placement["keep_activation_layers"]
     assert _row(auto, ACTIVATIONS) == recomputed * 4 * 3584 * 65536
     assert (auto.rows, auto.placement, auto.times_s) == (one.rows, one.placement, one.times_s)
-    assert "checkpoint_every=1," in auto.table()
+    assert "recompute_group=1," in auto.table()
 
 
 def test_auto_takes_the_smallest_group_that_fits_only_when_every_input_kept_does_not():
     """qwen7b at 512K tokens in fp32 state: 196 GiB of inputs fit with no g below 4; auto plans 4 (the same plan as
     asking for it), and the table shows it."""
     auto = _plan([])
-    assert not auto.problem() and auto.placement["checkpoint_every"] == 4
+    assert not auto.problem() and auto.placement["recompute_group"] == 4
     assert auto.total("host") <= 125 * GIB and auto.total("gpu") <= 139 * GIB
     for g in (1, 2, 3):
-        assert _plan([f"engine.checkpoint_every={g}"]).problem(), g
-    four = _plan(["engine.checkpoint_every=4"])
+        assert _plan([f"engine.recompute_group={g}"]).problem(), g
+    four = _plan(["engine.recompute_group=4"])
     assert (four.rows, four.placement, four.times_s) == (auto.rows, auto.placement, auto.times_s)
-    assert "checkpoint_every=4," in auto.table()
+    assert "recompute_group=4," in auto.table()
 
 
 def test_the_rows_count_the_kept_inputs_and_one_regenerated_group():
     """28 layers, none kept as graphs, g = 4: inputs 0, 4, ..., 24 are kept (7), and one group of 4 is regenerated
     on the GPU; a partial last group (25 recomputed layers, g = 4: 0, 4, ..., 24) keeps 7 as well, g = 5 keeps 6."""
     one_input = _layer_input_bytes()
-    plan = _plan(["engine.keep_activation_layers=0", "engine.checkpoint_every=4"])
+    plan = _plan(["engine.keep_activation_layers=0", "engine.recompute_group=4"])
     assert _row(plan, ACTIVATIONS) == 7 * one_input
     assert ("gpu", "regenerated layer inputs (one group of 4, all micro-batches)", 4 * one_input) in plan.rows
-    assert _row(_plan(["engine.keep_activation_layers=3", "engine.checkpoint_every=4"], check=False),
+    assert _row(_plan(["engine.keep_activation_layers=3", "engine.recompute_group=4"], check=False),
                 ACTIVATIONS) == 7 * one_input
-    assert _row(_plan(["engine.keep_activation_layers=0", "engine.checkpoint_every=5"]), ACTIVATIONS) == 6 * one_input
+    assert _row(_plan(["engine.keep_activation_layers=0", "engine.recompute_group=5"]), ACTIVATIONS) == 6 * one_input
 
 
 def test_an_explicit_group_size_is_kept_and_one_that_does_not_fit_is_refused():
-    plan = _plan(["engine.checkpoint_every=6"])
-    assert plan.placement["checkpoint_every"] == 6 and not plan.problem()
+    plan = _plan(["engine.recompute_group=6"])
+    assert plan.placement["recompute_group"] == 6 and not plan.problem()
     with pytest.raises(PlanError) as e:
-        _plan(["engine.checkpoint_every=2"], check=True)
-    assert "checkpoint_every=2," in str(e.value) and "No engine.checkpoint_every" not in str(e.value)
+        _plan(["engine.recompute_group=2"], check=True)
+    assert "recompute_group=2," in str(e.value) and "No engine.recompute_group" not in str(e.value)
 
 
 def test_a_refusal_at_every_group_size_says_so_and_names_the_formats_that_fit_with_theirs():
@@ -81,35 +81,35 @@ def test_a_refusal_at_every_group_size_says_so_and_names_the_formats_that_fit_wi
     with pytest.raises(PlanError) as e:
         _plan(["train.compile=off"], check=True)
     message = str(e.value)
-    assert "No engine.checkpoint_every from 2 to 28 (recompute groups, one layer input kept per group) fits either" \
+    assert "No engine.recompute_group from 2 to 28 (recompute groups, one layer input kept per group) fits either" \
         in message
-    assert "checkpoint_every=1," in message  # the plan shown is the one that keeps every input
+    assert "recompute_group=1," in message  # the plan shown is the one that keeps every input
     assert "train.master_dtype=bf16 train.moments_dtype=int8 train.grad_dtype=bf16 train.moments_block_size=256 " \
-        "engine.checkpoint_every=" in message
+        "engine.recompute_group=" in message
 
 
 def test_the_low_precision_formats_fit_512k_with_smaller_groups():
     plan = _plan(SMALL_STATE)
-    assert not plan.problem() and plan.placement["checkpoint_every"] == 2
+    assert not plan.problem() and plan.placement["recompute_group"] == 2
 
 
 def test_the_backward_pays_the_regenerating_forwards_and_weight_loads():
     """Same placement, g = 4 against 1: 28 recomputed layers in 7 groups are 21 extra layer forwards at the forward's
     speed (the backward is compute-bound at 512K) and 21 fewer inputs written over D2H in the forward; with compute
     made free, the backward's H2D pays 21 more weight loads and 21 fewer input loads."""
-    cfg = make_cfg([*LONG, "engine.keep_activation_layers=0", "engine.checkpoint_every=4",
+    cfg = make_cfg([*LONG, "engine.keep_activation_layers=0", "engine.recompute_group=4",
                     "engine.activation_tier=host", "engine.grads_tier=gpu", "engine.cache_weights=off",
                     "engine.gpu_resident_units=0", "engine.gpu_streamed_units=0"])
     spec = ModelSpec(cfg.model)
     s = _Shape(spec, cfg, on_gpu=True, fmt=StateFormat.of(cfg.train))
     sp = Speeds(cfg.hardware, compiled=True)
     placement = build_plan(spec, cfg, 139.0, 1000.0, on_gpu=True).placement
-    assert placement["checkpoint_every"] == 4
-    four, one = (predict_stream(s, sp, {**placement, "checkpoint_every": g})[0] for g in (4, 1))
+    assert placement["recompute_group"] == 4
+    four, one = (predict_stream(s, sp, {**placement, "recompute_group": g})[0] for g in (4, 1))
     assert four["backward"] - one["backward"] == pytest.approx(21 * s.layer_fwd_flops / sp.fwd, rel=1e-9)
     assert one["forward_d2h"] - four["forward_d2h"] == pytest.approx(21 * _layer_input_bytes() / sp.d2h, rel=1e-9)
     sp.fwd = sp.bwd = 1e30
-    four, one = (predict_stream(s, sp, {**placement, "checkpoint_every": g})[0] for g in (4, 1))
+    four, one = (predict_stream(s, sp, {**placement, "recompute_group": g})[0] for g in (4, 1))
     weights = s.fmt.master_bytes(s.layer_numel) / sp.h2d
     assert four["backward"] - one["backward"] == pytest.approx(21 * (weights - _layer_input_bytes() / sp.h2d),
                                                                rel=1e-9)
@@ -117,5 +117,5 @@ def test_the_backward_pays_the_regenerating_forwards_and_weight_loads():
 
 @pytest.mark.parametrize("value, planned", [(-1, 1), (2, 2)])
 def test_a_cpu_plan_takes_the_configured_group_size(value, planned):
-    plan = _plan([f"engine.checkpoint_every={value}"], base=["model=tiny", "engine=stream"], on_gpu=False)
-    assert plan.placement["checkpoint_every"] == planned
+    plan = _plan([f"engine.recompute_group={value}"], base=["model=tiny", "engine=stream"], on_gpu=False)
+    assert plan.placement["recompute_group"] == planned
