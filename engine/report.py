@@ -3,6 +3,10 @@
     python -m engine.report runs/multirun/2026-12-05/19-10-00                  # the context or model-size sweep
     python -m engine.report <sweep dir> --x seq_len --png context.png --jsonl context.jsonl
 
+Depth-truncated runs (fewer decoder layers of a published model's width, e.g. `model=qwen72b
+model.num_hidden_layers=4`) are labelled as such in every row and line, with the full-depth step extrapolated from
+the measured per-layer forward + backward time and the planner's full-depth memory and step next to it.
+
 Every directory below the given ones that holds a `summary.json` (a finished run) or a `refused.json` (a job the
 trainer refused before it started, e.g. a memory plan that does not fit) becomes a row; a run dir with neither (a
 crash, a kill) is listed as `incomplete`. `run_row` is the one place that turns a run's files into a row, shared
@@ -80,6 +84,16 @@ def run_row(run_dir: Path) -> dict:
     })
     for key in sorted({k for s in timed for k in s if k.endswith("_s") and k not in ("step_s",)}):
         row[f"median_{key}"] = _median(timed, key)
+    truncated = summary.get("depth_truncated")
+    if truncated:
+        row.update(depth_truncated=True, **{k: v for k, v in truncated.items() if k != "layers"})
+        layers, full = truncated["layers"], truncated["full_depth_layers"]
+        fwd, bwd = row.get("median_forward_s"), row.get("median_backward_s")
+        if row["step_s"] and fwd is not None and bwd is not None:
+            # the step plus the measured per-layer forward + backward time of each missing layer
+            row["full_depth_step_s_extrapolated"] = row["step_s"] + (full - layers) * (fwd + bwd) / layers
+            row["full_depth_tokens_per_s_extrapolated"] = \
+                row["tokens_per_step"] / row["full_depth_step_s_extrapolated"]
     return row
 
 
@@ -102,6 +116,11 @@ def table(rows: List[dict]) -> str:
              f"{'host GiB (plan)':>16} {'attention':>9}  note"]
     for r in rows:
         note = r.get("refused") or r.get("error") or ""
+        if r.get("depth_truncated"):
+            extrapolated = r.get("full_depth_step_s_extrapolated")
+            note = (f"DEPTH-TRUNCATED {r['num_hidden_layers']}/{r['full_depth_layers']} layers"
+                    + (f"; full depth ~{extrapolated:.1f} s/step (extrapolated), plan "
+                       f"{_fmt(r.get('full_depth_plan_step_s'), '.1f')} s" if extrapolated else "") + ". " + note)
         lines.append(
             f"{r.get('model', '?'):10} {_fmt(r.get('seq_len'), 'd'):>7} {_fmt(r.get('tokens_per_step'), 'd'):>9} "
             f"{_fmt(r.get('tokens_per_s'), '.0f'):>8} {_fmt(r.get('tflops')):>7} "
@@ -127,6 +146,10 @@ def plot(rows: List[dict], x_key: str, png: Path, title: str) -> None:
     xs = [r[x_key] for r in done]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     ax.plot(xs, [r["tflops"] for r in done], "o-", color="tab:blue", label="model TFLOPS")
+    for r in done:
+        if r.get("depth_truncated"):
+            ax.annotate(f"depth-truncated {r['num_hidden_layers']}/{r['full_depth_layers']}", (r[x_key], r["tflops"]),
+                        fontsize=7, textcoords="offset points", xytext=(4, 4))
     ax.set_xscale("log", base=2)
     ax.set_xlabel(x_key)
     ax.set_ylabel("model TFLOPS", color="tab:blue")

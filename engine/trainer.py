@@ -25,6 +25,7 @@ once (KeyboardInterrupt / exit 128+signal); the previous complete checkpoint sta
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as dt
 import json
 import math
@@ -37,6 +38,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -84,6 +86,29 @@ def layer_compute(spec: ModelSpec, cfg: DictConfig, device: torch.device) -> Lay
                         mlp_chunk_tokens=resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, t.micro_batch_size * t.seq_len))
 
 
+def depth_truncated(cfg: DictConfig, full_depth_layers: Optional[int], gpu_gib: float, host_gib: float,
+                    on_gpu: bool) -> Optional[dict]:
+    """For a depth-truncated run (fewer decoder layers of the published width): the layer counts and the full-depth
+    model's plan on the same hardware (its memory, whether it fits, its predicted step), None otherwise."""
+    if full_depth_layers is None:
+        return None
+    full_cfg = copy.deepcopy(cfg)
+    full_cfg.model.num_hidden_layers = full_depth_layers
+    full = build_plan(ModelSpec(full_cfg.model), full_cfg, gpu_gib, host_gib, on_gpu, check=False)
+    return {"layers": cfg.model.num_hidden_layers, "full_depth_layers": full_depth_layers,
+            "full_depth_plan_gib": {tier: full.total(tier) / 2**30 for tier in ("gpu", "host")},
+            "full_depth_fits": not full.problem(), "full_depth_plan_step_s": (full.times_s or {}).get("step")}
+
+
+def depth_truncated_line(d: dict) -> str:
+    step = d["full_depth_plan_step_s"]
+    return (f"DEPTH-TRUNCATED: {d['layers']} of {d['full_depth_layers']} decoder layers at the published width; every "
+            f"figure of this run is for {d['layers']} layers. The full-depth model would need host "
+            f"{d['full_depth_plan_gib']['host']:.1f} GiB, GPU {d['full_depth_plan_gib']['gpu']:.1f} GiB on this "
+            f"hardware ({'fits' if d['full_depth_fits'] else 'does not fit'})"
+            + (f", predicted step {step:.2f} s" if step else "") + ".")
+
+
 class RunLog:
     """Prints a line and appends it to `<run dir>/train.log`. Lines printed before `open` (while the run can still
     be refused) are held and written when it opens, so a run refused before it starts writes nothing."""
@@ -120,12 +145,13 @@ class Trainer:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         t = cfg.train
         self.spec = ModelSpec(cfg.model)
-        self.spec.check_expected_params()
+        full_depth_layers = self.spec.check_expected_params()
         if cfg.plan:  # a plan for the configured hardware, which need not be this machine
             on_gpu = cfg.hardware.device == "cuda" or (cfg.hardware.device == "auto" and torch.cuda.is_available())
             host_gib = cfg.hardware.host_mem_gib or host_mem_total_gib()
-            self.plan = build_plan(self.spec, cfg, hardware.usable_gpu_gib(cfg.hardware, 0.0), host_gib, on_gpu,
-                                   check=False)
+            gpu_gib = hardware.usable_gpu_gib(cfg.hardware, 0.0)
+            self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, on_gpu, check=False)
+            self.depth_truncated = depth_truncated(cfg, full_depth_layers, gpu_gib, host_gib, on_gpu)
             return
         self.device = resolve_device(cfg.hardware.device)
         self.compute_dtype = resolve_compute_dtype(t.compute_dtype, self.device)
@@ -133,6 +159,7 @@ class Trainer:
         gpu_gib = hardware.apply_gpu_cap(cfg.hardware, self.device) if self.device.type == "cuda" else 0.0
         host_gib = cfg.hardware.host_mem_gib or host_mem_total_gib()
         self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, self.device.type == "cuda")
+        self.depth_truncated = depth_truncated(cfg, full_depth_layers, gpu_gib, host_gib, self.device.type == "cuda")
         with _refusals_named(f"data={cfg.data.name}" + (f" data.path={cfg.data.path}" if cfg.data.path else "")):
             self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size)
         self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else self.run_dir / "checkpoints"
@@ -148,6 +175,8 @@ class Trainer:
                 hf = checkpoint.open_hf(self.spec, hf_dir)
         self.log.open(self.run_dir)  # nothing can refuse the run from here on
         self.log(f"run dir: {self.run_dir}")
+        if self.depth_truncated:
+            self.log(depth_truncated_line(self.depth_truncated))
         lc = self.layer_compute
         self.log(f"layers: attention {lc.attention} (train.attention={t.attention}), MLP "
                  + (f"in chunks of {lc.mlp_chunk_tokens} tokens" if lc.mlp_chunk_tokens else "unchunked"))
@@ -224,6 +253,8 @@ class Trainer:
     def run(self) -> dict:
         if self.cfg.plan:
             print(self.plan.table())
+            if self.depth_truncated:
+                print(depth_truncated_line(self.depth_truncated))
             problem = self.plan.problem()
             if problem:
                 raise PlanError(problem)
@@ -236,7 +267,8 @@ class Trainer:
                                                        for tier in ("gpu", "host")},
                          "plan_times_s": self.plan.times_s, "attention": self.layer_compute.attention,
                          "mlp_chunk_tokens": self.layer_compute.mlp_chunk_tokens,
-                         "memory_bytes": self.engine.memory_bytes(), "start_step": self.start_step}
+                         "memory_bytes": self.engine.memory_bytes(), "start_step": self.start_step,
+                         "depth_truncated": self.depth_truncated}
         stopped = None
         try:
             with _StopSignals() as signals:

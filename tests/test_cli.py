@@ -82,6 +82,27 @@ def test_sweep_report_turns_run_dirs_into_rows_a_table_and_a_plot(tmp_path):
     assert (tmp_path / "ctx.png").stat().st_size > 10_000
 
 
+def test_a_depth_truncated_run_is_labelled_and_extrapolated(tmp_path):
+    from engine.model import ModelSpec
+    from tests.util import make_cfg
+
+    full = ModelSpec(make_cfg(["model=tiny"]).model).num_params()  # tiny: 4 layers
+    run_dir = tmp_path / "run"
+    out = _train("model=tiny", "model.num_hidden_layers=2", f"model.expected_params={full}", "engine=stream",
+                 "logger=none", "train.steps=3", "train.val_every=0", "train.val_batches=1",
+                 "train.micro_batch_size=2", f"hydra.run.dir={run_dir}")
+    assert out.returncode == 0, out.stderr
+    assert "DEPTH-TRUNCATED: 2 of 4 decoder layers" in (run_dir / "train.log").read_text()
+    truncated = json.loads((run_dir / "summary.json").read_text())["depth_truncated"]
+    assert truncated["layers"] == 2 and truncated["full_depth_layers"] == 4 and truncated["full_depth_fits"]
+    from engine.report import run_row, table
+
+    row = run_row(run_dir)
+    assert row["depth_truncated"] and row["full_depth_layers"] == 4
+    assert row["full_depth_step_s_extrapolated"] > row["step_s"]
+    assert "DEPTH-TRUNCATED 2/4 layers" in table([row])
+
+
 def test_sweep_report_refuses_a_missing_dir(tmp_path):
     out = subprocess.run([sys.executable, "-m", "engine.report", str(tmp_path / "nope")], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)

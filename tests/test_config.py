@@ -45,10 +45,19 @@ def test_model_config_has_published_param_count(name):
     assert spec.num_params() == PUBLISHED[name] == cfg.model.expected_params == count_params(cfg.model)
 
 
-def test_expected_params_mismatch_is_refused():
-    cfg = make_cfg(["model=qwen7b", "model.num_hidden_layers=27"])
+@pytest.mark.parametrize("override", ["model.intermediate_size=18000", "model.num_hidden_layers=29",
+                                      "model.vocab_size=160000"])
+def test_expected_params_mismatch_is_refused(override):
+    cfg = make_cfg(["model=qwen7b", override])
     with pytest.raises(ConfigError, match="expected_params"):
         ModelSpec(cfg.model).check_expected_params()
+
+
+@pytest.mark.parametrize("layers", [1, 4, 27])
+def test_fewer_layers_of_the_published_width_is_a_depth_truncated_copy(layers):
+    cfg = make_cfg(["model=qwen7b", f"model.num_hidden_layers={layers}"])
+    assert ModelSpec(cfg.model).check_expected_params() == 28
+    assert ModelSpec(make_cfg(["model=qwen7b"]).model).check_expected_params() is None
 
 
 # ---------------------------------------------------------------------------------------------------------------------

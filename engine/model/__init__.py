@@ -63,12 +63,21 @@ class ModelSpec:
     def num_params(self) -> int:
         return sum(u.layout.param_numel for u in self.units)
 
-    def check_expected_params(self) -> None:
+    def check_expected_params(self) -> Optional[int]:
+        """Check the built layout against `model.expected_params`. Returns None for the published model, or its
+        full depth when this is a depth-truncated copy: fewer decoder layers of exactly the published width (the
+        embedding, the head and L_full layers of this layout add up to the published count)."""
         expected = self.cfg.expected_params
-        if expected is not None and expected != self.num_params():
-            raise ConfigError(f"model={self.cfg.name}: the built layout has {self.num_params():,} parameters but "
-                              f"model.expected_params={expected:,}; the architecture fields do not describe the "
-                              "published checkpoint")
+        if expected is None or expected == self.num_params():
+            return None
+        per_layer = self.units[1].layout.param_numel
+        rest = expected - self.units[0].layout.param_numel - self.units[-1].layout.param_numel
+        if rest % per_layer == 0 and rest // per_layer > self.num_layers:
+            return rest // per_layer
+        raise ConfigError(f"model={self.cfg.name}: the built layout has {self.num_params():,} parameters but "
+                          f"model.expected_params={expected:,}; the architecture fields do not describe the "
+                          "published checkpoint (nor a depth-truncated copy of it: only model.num_hidden_layers may "
+                          "be lowered)")
 
     def rope(self, seq_len: int, device: torch.device | str) -> Rope:
         return rope_tables(self.arch.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling, seq_len, device)
