@@ -12,7 +12,7 @@ trainer refused before it started, e.g. a memory plan that does not fit) becomes
 crash, a kill) is listed as `incomplete`. `run_row` is the one place that turns a run's files into a row, shared
 with bench/bench_engine.py.
 
-The plot puts `--x` (seq_len for the context sweep, the model's parameter count for the model-size sweep) on a log
+The plot puts `--x` (seq_len for the context sweep, `published_params` for the model-size sweep) on a log
 axis: model TFLOPS (engine/metrics.py's count, attention included) on the left, peak GPU and host memory on the
 right, with the planner's predicted memory dashed. It needs matplotlib (`pip install -e '.[report]'`); the table and
 the rows do not.
@@ -62,7 +62,7 @@ def run_row(run_dir: Path) -> dict:
     t = cfg["train"]
     row.update({
         "model": cfg["model"]["name"], "engine": cfg["engine"]["name"], "hardware": cfg["hardware"]["name"],
-        "num_hidden_layers": cfg["model"]["num_hidden_layers"],
+        "num_hidden_layers": cfg["model"]["num_hidden_layers"], "published_params": cfg["model"].get("expected_params"),
         "seq_len": t["seq_len"], "micro_batch_size": t["micro_batch_size"], "grad_accum": t["grad_accum"],
         "tokens_per_step": t["seq_len"] * t["micro_batch_size"] * t["grad_accum"], "steps": len(steps),
         "tokens_per_s": summary.get("median_tokens_per_s"), "step_s": summary.get("median_step_s"),

@@ -97,7 +97,8 @@ def depth_truncated(cfg: DictConfig, full_depth_layers: Optional[int], gpu_gib: 
     full = build_plan(ModelSpec(full_cfg.model), full_cfg, gpu_gib, host_gib, on_gpu, check=False)
     return {"layers": cfg.model.num_hidden_layers, "full_depth_layers": full_depth_layers,
             "full_depth_plan_gib": {tier: full.total(tier) / 2**30 for tier in ("gpu", "host")},
-            "full_depth_fits": not full.problem(), "full_depth_plan_step_s": (full.times_s or {}).get("step")}
+            "full_depth_fits": not full.problem(), "full_depth_plan_step_s": (full.times_s or {}).get("step"),
+            "full_depth_formats_that_fit": full.suggestions}
 
 
 def depth_truncated_line(d: dict) -> str:
@@ -106,7 +107,8 @@ def depth_truncated_line(d: dict) -> str:
             f"figure of this run is for {d['layers']} layers. The full-depth model would need host "
             f"{d['full_depth_plan_gib']['host']:.1f} GiB, GPU {d['full_depth_plan_gib']['gpu']:.1f} GiB on this "
             f"hardware ({'fits' if d['full_depth_fits'] else 'does not fit'})"
-            + (f", predicted step {step:.2f} s" if step else "") + ".")
+            + (f", predicted step {step:.2f} s" if step else "") + "."
+            + "".join(f"\n  full depth: {line}" for line in d["full_depth_formats_that_fit"]))
 
 
 class RunLog:
