@@ -5,7 +5,9 @@
 
 Depth-truncated runs (fewer decoder layers of a published model's width, e.g. `model=qwen72b
 model.num_hidden_layers=4`) are labelled as such in every row and line, with the full-depth step extrapolated from
-the measured per-layer forward + backward time and the planner's full-depth memory and step next to it.
+the measured per-layer forward + backward time and the planner's full-depth memory and step next to it. For
+engine=stream rows, `layer_tflops` is the decoder layers' model FLOPs (3 x forward, recompute not counted) over
+the forward + backward phase time: the per-layer throughput, comparable across model widths whatever the depth.
 
 Every directory below the given ones that holds a `summary.json` (a finished run) or a `refused.json` (a job the
 trainer refused before it started, e.g. a memory plan that does not fit) becomes a row; a run dir with neither (a
@@ -26,6 +28,10 @@ import statistics
 import sys
 from pathlib import Path
 from typing import List, Optional
+
+from omegaconf import OmegaConf
+
+from engine.metrics import model_flops_per_token
 
 
 def _median(rows, key):
@@ -84,11 +90,15 @@ def run_row(run_dir: Path) -> dict:
     })
     for key in sorted({k for s in timed for k in s if k.endswith("_s") and k not in ("step_s",)}):
         row[f"median_{key}"] = _median(timed, key)
+    fwd, bwd = row.get("median_forward_s"), row.get("median_backward_s")
+    if fwd and bwd:  # the decoder layers alone (engine=stream's phase times): comparable across depths and heads
+        layer_flops = model_flops_per_token(OmegaConf.create(cfg["model"]), t["seq_len"])[
+            "layer_forward_flops_per_token"]
+        row["layer_tflops"] = 3 * layer_flops * row["tokens_per_step"] * row["num_hidden_layers"] / (fwd + bwd) / 1e12
     truncated = summary.get("depth_truncated")
     if truncated:
         row.update(depth_truncated=True, **{k: v for k, v in truncated.items() if k != "layers"})
         layers, full = truncated["layers"], truncated["full_depth_layers"]
-        fwd, bwd = row.get("median_forward_s"), row.get("median_backward_s")
         if row["step_s"] and fwd is not None and bwd is not None:
             # the step plus the measured per-layer forward + backward time of each missing layer
             row["full_depth_step_s_extrapolated"] = row["step_s"] + (full - layers) * (fwd + bwd) / layers
@@ -112,7 +122,7 @@ def _fmt(x, spec=".1f") -> str:
 
 
 def table(rows: List[dict]) -> str:
-    lines = [f"{'model':10} {'seq':>7} {'tok/step':>9} {'tok/s':>8} {'TFLOPS':>7} {'GPU GiB (plan)':>15} "
+    lines = [f"{'model':10} {'seq':>7} {'tok/step':>9} {'tok/s':>8} {'TFLOPS':>7} {'layer':>7} {'GPU GiB (plan)':>15} "
              f"{'host GiB (plan)':>16} {'attention':>9}  note"]
     for r in rows:
         note = r.get("refused") or r.get("error") or ""
@@ -123,7 +133,7 @@ def table(rows: List[dict]) -> str:
                        f"{_fmt(r.get('full_depth_plan_step_s'), '.1f')} s" if extrapolated else "") + ". " + note)
         lines.append(
             f"{r.get('model', '?'):10} {_fmt(r.get('seq_len'), 'd'):>7} {_fmt(r.get('tokens_per_step'), 'd'):>9} "
-            f"{_fmt(r.get('tokens_per_s'), '.0f'):>8} {_fmt(r.get('tflops')):>7} "
+            f"{_fmt(r.get('tokens_per_s'), '.0f'):>8} {_fmt(r.get('tflops')):>7} {_fmt(r.get('layer_tflops')):>7} "
             f"{_fmt(r.get('gpu_mem_gib')) + ' (' + _fmt(r.get('plan_gpu_gib')) + ')':>15} "
             f"{_fmt(r.get('host_mem_gib')) + ' (' + _fmt(r.get('plan_host_gib')) + ')':>16} "
             f"{r.get('attention') or '-':>9}  {note.splitlines()[0][:100] if note else ''}")

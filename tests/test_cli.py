@@ -100,6 +100,7 @@ def test_a_depth_truncated_run_is_labelled_and_extrapolated(tmp_path):
     row = run_row(run_dir)
     assert row["depth_truncated"] and row["full_depth_layers"] == 4
     assert row["full_depth_step_s_extrapolated"] > row["step_s"]
+    assert row["layer_tflops"] > 0
     assert "DEPTH-TRUNCATED 2/4 layers" in table([row])
 
 
