@@ -4,6 +4,7 @@
 #   bash bench/gpu_session.sh adamw   # issue 18: the fused update kernel's GPU tests and bandwidth
 #   bash bench/gpu_session.sh formattests capacity14; bash bench/gpu_session.sh capacity32   # issue 18, full depth
 #   bash bench/gpu_session.sh quality # issue 18: qwen0_5b in three state formats side by side, 16.06M tokens each
+#   bash bench/gpu_session.sh context modelsize   # issue 5 (qwen7b, one sequence per step), issue 7 (4 layers each)
 #   bash bench/gpu_session.sh calibrate compare3b streamtests planner17 perf17 kept17   # issue 17 (calibrate
 #   writes $OUT/h200.yaml, to be committed by hand, and the later stages of the same call plan with it)
 # Each stage's full log is kept under $OUT (gpu_tests.log; logs.tgz holds every engine job's log).
@@ -71,6 +72,12 @@ for stage in "$@"; do
                --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" 2>&1 | tail -5
              mkdir -p "$OUT/quality"; for f in /tmp/quality/*.log; do cp "$f" "$OUT/quality/"; done
              for d in /tmp/quality/*/; do cp "$d/metrics.jsonl" "$OUT/quality/$(basename "$d").metrics.jsonl"; done ;;
+    context) timeout 560 python3 bench/bench_engine.py --grid context5 --out "$OUT/engine.jsonl" \
+               --workdir /tmp/bench --timeout-s 200 2>&1 | tail -8 ;;
+    modelsize) timeout 560 python3 train.py +sweep=model_size logger=none hydra.sweep.dir=/tmp/msweep \
+                 train.steps=4 > "$OUT/model_size_sweep.log" 2>&1; tail -4 "$OUT/model_size_sweep.log"
+               python3 -m engine.report /tmp/msweep --x published_params --png "$OUT/model_size.png" \
+                 --jsonl "$OUT/model_size.jsonl" 2>&1 | tail -8 ;;
     peers) timeout 200 python3 bench/peers/all_on_gpu.py --model qwen7b --micro-batch-size 2 --grad-accum 8 \
              --out "$OUT/peers.jsonl" 2>&1 | tail -3 ;;
   esac
