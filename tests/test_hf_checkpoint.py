@@ -121,6 +121,27 @@ def test_import_gives_hf_weights_and_logits(family, dtype, shard, engine, tmp_pa
         tr.engine.close()
 
 
+def test_a_depth_truncated_run_imports_the_first_layers_of_the_full_checkpoint(tmp_path):
+    """SMALL has 3 layers; a 2-layer run of the same width (expected_params = the 3-layer count) takes layers 0 and 1
+    of the 3-layer checkpoint and ignores layer 2; a run that is not depth-truncated still refuses the mismatch."""
+    model = hf_model("qwen2")
+    path = save_hf(model, tmp_path / "hf", torch.float32, "40KB")
+    full = ModelSpec(make_cfg([*BASE]).model).num_params()
+    cfg = make_cfg([*BASE, "engine=stream", "model.num_hidden_layers=2", f"model.expected_params={full}",
+                    f"model.init=hf:{path}"])
+    tr = Trainer(cfg, tmp_path / "run")
+    try:
+        weights = tr.engine.master_weights()
+        sd = fp32_reference(path).state_dict()
+        assert not any(name.startswith("model.layers.2.") for name in weights)
+        for name, w in weights.items():
+            assert torch.equal(w, sd[name]), name
+    finally:
+        tr.engine.close()
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        checkpoint.open_hf(_spec("model.num_hidden_layers=2"), path)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "qwen2_tied"])
 def test_export_loads_in_transformers_with_same_logits(family, tmp_path):
     """Start from an HF checkpoint (O(1) random weights, so logits are far from zero), train a few steps, export

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -135,9 +136,12 @@ def hf_config_differences(hf: dict, m) -> List[Tuple[str, Any, str, Any]]:
     return out
 
 
-def check_hf_config(hf: dict, m, path: Path) -> None:
-    """ConfigError naming the first differing architecture field with both values, and the others after it."""
-    diffs = hf_config_differences(hf, m)
+def check_hf_config(hf: dict, m, path: Path, full_depth_layers: Optional[int] = None) -> None:
+    """ConfigError naming the first differing architecture field with both values, and the others after it.
+    `full_depth_layers`: the run is a depth-truncated copy of a model with that many layers (ModelSpec.
+    check_expected_params), and a checkpoint of the full depth is accepted."""
+    diffs = [d for d in hf_config_differences(hf, m)
+             if not (d[0] == "num_hidden_layers" and full_depth_layers is not None and d[1] == full_depth_layers)]
     if not diffs:
         return
     field_name, theirs, ours_key, ours = diffs[0]
@@ -208,13 +212,19 @@ def hf_dir_of(init: str) -> Optional[Path]:
     return Path(init[3:]).expanduser() if init.startswith("hf:") else None
 
 
+def _layer_beyond(name: str, num_layers: int) -> bool:
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return match is not None and int(match.group(1)) >= num_layers
+
+
 def open_hf(spec, hf_dir: str | Path) -> HFCheckpoint:
     """Check config.json against spec.cfg and every tensor header; read no weights. Raises ConfigError for a
     config mismatch and CheckpointError (naming the file and tensor) for missing/unexpected/mis-shaped tensors."""
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
     hf = read_json(config_path, "an HF checkpoint directory needs config.json")
-    check_hf_config(hf, spec.cfg, config_path)
+    full_depth = spec.check_expected_params()
+    check_hf_config(hf, spec.cfg, config_path, full_depth)
     index_path = hf_dir / INDEX
     if index_path.exists():
         weight_map = read_json(index_path, "").get("weight_map")
@@ -243,7 +253,8 @@ def open_hf(spec, hf_dir: str | Path) -> HFCheckpoint:
         if info is None:
             raise CheckpointError(f"{path}: tensor {name} is missing although {index_path.name} maps it there")
         if name not in expected:
-            if name.endswith(IGNORED_HF_SUFFIXES) or (name == "lm_head.weight" and spec.tied):
+            if name.endswith(IGNORED_HF_SUFFIXES) or (name == "lm_head.weight" and spec.tied) \
+                    or (full_depth is not None and _layer_beyond(name, spec.num_layers)):  # the first layers only
                 continue
             raise CheckpointError(f"{path}: unexpected tensor {name} (shape {list(info.shape)}) for model="
                                   f"{spec.cfg.name} ({spec.cfg.model_type}); the checkpoint has parameters this "
