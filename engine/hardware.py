@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from engine.config import CONF_DIR, ConfigError
+from engine.config import CONF_DIR, ConfigError, HardwareConfig
 
 PROFILE_DIR = CONF_DIR / "hardware"
 GPU_PROFILES = {"H100": "h100", "H200": "h200", "GH200": "gh200", "RTX 3090": "rtx3090", "RTX A6000": "a6000"}
@@ -34,8 +34,11 @@ def resolve(cfg: DictConfig) -> None:
     hw = cfg.hardware
     if hw.name == "auto":
         profile = OmegaConf.load(PROFILE_DIR / f"{detect_profile()}.yaml")
+        # a field set on the command line or by a recipe (anything but the schema's default) wins over the profile
+        defaults = HardwareConfig(name="auto")
+        chosen = {k: v for k, v in hw.items() if k != "name" and v != getattr(defaults, k)}
         with open_dict(cfg):
-            cfg.hardware = OmegaConf.merge(hw, profile)
+            cfg.hardware = OmegaConf.merge(hw, profile, chosen)
         return
     if hw.name in GPU_PROFILES.values() and not cfg.plan and not hw.other_card and torch.cuda.is_available():
         here = detect_profile()

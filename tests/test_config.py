@@ -90,6 +90,7 @@ def test_removed_and_renamed_fields_are_gone_from_the_files():
 
 
 @pytest.mark.parametrize("option", ["+experiment=qwen7b_stream_64k", "+experiment=qwen7b_reference_64k",
+                                    "+experiment=qwen7b_512k_h200",
                                     "+experiment=tiny_cpu", "+sweep=context", "+sweep=model_size"])
 def test_experiment_and_sweep_groups_pass_the_checks(option):
     check_overrides([option])
@@ -318,6 +319,21 @@ def test_gpu_profile_without_a_gpu_is_refused_unless_planning(monkeypatch):
     assert "torch sees no CUDA device" in message and "hardware=cpu" in message and "hardware=auto" in message
     assert "plan=true" in message
     validate(make_cfg(["hardware=h200", "plan=true"], validated=False))
+
+
+def test_hardware_auto_keeps_the_fields_a_user_or_recipe_set(monkeypatch):
+    """hardware=auto merges the detected profile in; a field set on the command line (or by an experiment) is not
+    overwritten by the profile's value, and the profile fills the rest."""
+    from engine import hardware
+
+    monkeypatch.setattr(hardware, "detect_profile", lambda: "h200")
+    cfg = make_cfg(["hardware=auto", "hardware.host_mem_gib=105", "plan=true"], validated=False)
+    hardware.resolve(cfg)
+    assert cfg.hardware.name == "h200" and cfg.hardware.host_mem_gib == 105
+    assert cfg.hardware.gpu_mem_gib == OmegaConf.load(hardware.PROFILE_DIR / "h200.yaml").gpu_mem_gib
+    recipe = make_cfg(["+experiment=qwen7b_512k_h200", "hardware=auto", "plan=true"], validated=False)
+    hardware.resolve(recipe)
+    assert recipe.hardware.name == "h200" and recipe.hardware.host_mem_gib == 105
 
 
 def test_wrong_type_in_a_group_file_fails_at_compose_time():
