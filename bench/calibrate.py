@@ -72,7 +72,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from engine.config import CONF_DIR, ConfigError, ModelConfig, TrainConfig
+from engine.config import ATTENTION_BACKENDS, CONF_DIR, ConfigError, ModelConfig, TrainConfig
 from engine.device import autocast_ctx, pin_host, resolve_compute_dtype, unpin_host
 from engine.fileio import atomic_write
 from engine.metrics import host_rss_gib, model_flops_per_token, run_environment
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma-separated, from {', '.join(MODES)} (default: compiled,eager)")
     ap.add_argument("--fused-loss", default="auto", choices=("auto", "on", "off"),
                     help="the head as the run computes it (train.fused_loss; auto: fused on CUDA)")
-    ap.add_argument("--attention", default="auto", choices=("auto", "triton", "sdpa", "flash_attn"),
+    ap.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
                     help="the layer's attention backend (train.attention; default: auto, what a run picks)")
     ap.add_argument("--copy-gib", type=float, default=1.0, help="GiB per PCIe copy (default: 1)")
     ap.add_argument("--adam-gparams", type=float, default=0.5,

@@ -60,6 +60,9 @@ RENAMED = {"engine.checkpoint_tier": "engine.activation_tier",
            "train.precision": "train.master_dtype / train.moments_dtype / train.grad_dtype (engine/formats.py)"}
 
 
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")  # train.attention (engine/model/attention.py)
+
+
 @dataclass
 class ModelConfig:
     name: str = MISSING
@@ -518,7 +521,7 @@ def _validate_train(cfg: DictConfig) -> None:
     _choice("train.compute_dtype", t.compute_dtype, ("auto", "bf16", "fp32"))
     _choice("train.compile", t.compile, ("auto", "on", "off"))
     _choice("train.fused_loss", t.fused_loss, ("auto", "on", "off"))
-    _choice("train.attention", t.attention, ("auto", "triton", "sdpa", "flash_attn"))
+    _choice("train.attention", t.attention, ATTENTION_BACKENDS)
     if t.mlp_chunk_tokens < -1:
         raise ConfigError(f"train.mlp_chunk_tokens={t.mlp_chunk_tokens} is not valid; use -1 (auto), 0 (off) or a "
                           "positive number of tokens per chunk")

@@ -133,6 +133,12 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def kept_layer_inputs(num_layers: int, keep_activation_layers: int, recompute_group: int) -> range:
+    """The 0-based indices of the layer inputs the forward keeps for the backward: of the recomputed layers (all but
+    the last `keep_activation_layers`, whose graphs are kept instead), the first of each recompute group."""
+    return range(0, num_layers - keep_activation_layers, recompute_group)
+
+
 def layer_activation_bytes_per_token(spec, compute_bytes: int, compiled: bool = True, mlp: bool = True) -> int:
     """Bytes per token one decoder layer's autograd graph keeps (the tensors saved-tensor hooks list around
     `decoder_layer` under autocast; the layer input itself is counted with the layer-input activations).
@@ -374,6 +380,7 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     compute = [s.layer_fwd_flops / sp.fwd if 1 <= u <= s.L else 0.0 for u in range(n_units)]
     first_kept = s.L - placement.get("keep_activation_layers", 0) + 1  # layers from here on keep their graphs
     g = placement["recompute_group"]
+    kept_inputs = kept_layer_inputs(s.L, s.L + 1 - first_kept, g)
 
     host_done, clock = [0.0] * n_units, 0.0
     for u in range(n_units):
@@ -396,7 +403,7 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
             h2d_t = 0.0 if place[u] == "resident" else s.fmt.master_bytes(numel[u]) / sp.h2d
         h2d_end[u] = h2d_prev = start + h2d_t
         d2h_t = (s.fmt.state_bytes(numel[u]) / link_each if place[u] == "streamed" else 0.0) + \
-            (layer_input_bytes / sp.d2h if activations_host and 1 <= u < first_kept and (u - 1) % g == 0 else 0.0)
+            (layer_input_bytes / sp.d2h if activations_host and 1 <= u and u - 1 in kept_inputs else 0.0)
         d2h_end[u] = d2h_prev = max(d2h_prev, h2d_end[u]) + d2h_t
         h2d_busy += h2d_t
         d2h_busy += d2h_t
@@ -540,7 +547,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
 
     def activation_bytes(n_kept: int, g: int) -> int:
         """The kept inputs of the recomputed layers (kept layers' inputs live in their graphs)."""
-        return len(range(0, L - n_kept, g)) * 4 * s.h * s.step_tokens
+        return len(kept_layer_inputs(L, n_kept, g)) * 4 * s.h * s.step_tokens
 
     def regenerated_bytes(n_kept: int, g: int) -> int:
         """One recompute group's regenerated inputs, held on the GPU during its backward."""

@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HEAD_DIMS = (16, 32, 64, 128)  # head_dim: a power of two in 16..128
 AUTOTUNE = os.environ.get("STREAMTRAIN_ATTN_AUTOTUNE", "1") != "0" and not INTERPRET
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -485,7 +486,7 @@ def _check(q, k, v, sinks, window, scale):
     Hkv = k.shape[1]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
-    if D < 16 or D > 128 or D & (D - 1):
+    if D not in HEAD_DIMS:
         raise ValueError(f"head_dim must be a power of two in 16..128, got {D}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"q, k, v must share one dtype among bf16/fp16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")

@@ -27,11 +27,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from engine.config import ConfigError
+from engine.config import ATTENTION_BACKENDS, ConfigError
+from engine.kernels.attention import HEAD_DIMS
 
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-BACKENDS = ("auto", "triton", "sdpa", "flash_attn")
-TRITON_HEAD_DIMS = (16, 32, 64, 128)
 
 
 def _triton_runs_on(device_type: str) -> bool:
@@ -41,15 +40,15 @@ def _triton_runs_on(device_type: str) -> bool:
 def resolve_attention(requested: str, device_type: str, head_dim: int) -> str:
     """The concrete backend for `train.attention=requested` on this device and head size; raises ConfigError
     naming the value and what would be valid when the asked-for backend cannot run."""
-    if requested not in BACKENDS:
-        raise ConfigError(f"train.attention={requested!r} is not valid; choose one of {', '.join(BACKENDS)}")
-    triton_fits = head_dim in TRITON_HEAD_DIMS
+    if requested not in ATTENTION_BACKENDS:
+        raise ConfigError(f"train.attention={requested!r} is not valid; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    triton_fits = head_dim in HEAD_DIMS
     if requested == "auto":
         return "sdpa"
     if requested == "triton":
         if not triton_fits:
             raise ConfigError(f"train.attention=triton: head_dim={head_dim} is not supported by the Triton kernel "
-                              f"(head_dim in {TRITON_HEAD_DIMS}); use train.attention=sdpa")
+                              f"(head_dim in {HEAD_DIMS}); use train.attention=sdpa")
         if not _triton_runs_on(device_type):
             raise ConfigError(f"train.attention=triton needs a CUDA device (or TRITON_INTERPRET=1 for tests), but "
                               f"the run is on {device_type}; use train.attention=sdpa or auto")

@@ -73,6 +73,7 @@ from engine.device import Device, autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
 from engine.kernels.grad_accum import to_bf16_stochastic
 from engine.model import ModelSpec
+from engine.plan import kept_layer_inputs
 from engine.optim import FlatAdamW
 from engine.streaming.activations import ActivationStore
 from engine.streaming.gradients import GradAccumulator
@@ -106,7 +107,7 @@ class StreamEngine:
         # with index i % recompute_group == 0 are kept; the backward regenerates the others (`_regenerate`)
         n_kept = placement.get("keep_activation_layers", 0)
         self.recompute_group = placement.get("recompute_group", 1)
-        self.stored_inputs = [i for i in range(L - n_kept) if i % self.recompute_group == 0]
+        self.stored_inputs = list(kept_layer_inputs(L, n_kept, self.recompute_group))
         activation_numel = 0 if activations_on_gpu else len(self.stored_inputs) * M * B * T * D
         n_units = len(spec.units)
         # the three update places (DESIGN.md §4), in forward order: GPU-resident, GPU-streamed, host
@@ -340,7 +341,7 @@ class StreamEngine:
                 p = _leaves(p)
             with torch.set_grad_enabled(kept), autocast_ctx(self.dev.device, self.compute_dtype):
                 for m in range(len(x)):
-                    if keep and not kept and (k - 1) % self.recompute_group == 0:
+                    if keep and not kept and k - 1 in self.stored_inputs:
                         self.activations.put(k - 1, m, x[m])
                     if kept:
                         x_in = x[m].detach().requires_grad_()
@@ -386,7 +387,7 @@ class StreamEngine:
             if kept:  # weights still in the layer's own slot, read by the kept graph
                 self._load_ahead(order, k, wait=False)
             else:
-                if (unit - 1) % self.recompute_group and (unit - 1, 0) not in self.regenerated:
+                if unit - 1 not in self.stored_inputs and (unit - 1, 0) not in self.regenerated:
                     self._regenerate(unit - 1, len(dx))
                 p = _leaves(self._enter(order, k))
             acc = self._acc_for(unit)
@@ -412,7 +413,7 @@ class StreamEngine:
             self._finish_grad(unit, grad_hook)
 
     def _prefetch_input(self, i: int, m: int) -> None:
-        if i % self.recompute_group == 0 and (i, m) not in self.regenerated:
+        if i in self.stored_inputs and (i, m) not in self.regenerated:
             self.activations.prefetch(i, m)
 
     def _layer_input(self, i: int, m: int) -> torch.Tensor:
