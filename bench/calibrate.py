@@ -266,12 +266,12 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
 
     def forward() -> None:
         with torch.no_grad(), autocast_ctx(device, compute_dtype):
-            spec.layer(layer_p, x, rope)
+            spec.layer(layer_p, x, rope, 0)
 
     def backward() -> None:
         x_in = x.detach().requires_grad_()
         with autocast_ctx(device, compute_dtype):
-            y = spec.layer(layer_p, x_in, rope)
+            y = spec.layer(layer_p, x_in, rope, 0)
         torch.autograd.grad(y, [x_in] + [layer_p[n] for n in layer_names], grad_outputs=dy)
 
     def head() -> None:

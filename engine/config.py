@@ -51,7 +51,9 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key, the value and what would be valid."""
 
 
-MODEL_TYPES = ("qwen2", "qwen3", "llama")
+MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss")
+MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")  # engine/model/moe.py
+LAYER_TYPES = ("full_attention", "sliding_attention")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 RENAMED = {"engine.checkpoint_tier": "engine.activation_tier",
            "engine.device_optimizer_units": "engine.gpu_resident_units",
@@ -83,6 +85,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2/Qwen2.5: q, k, v projections carry a bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    attention_bias: bool = False  # gpt-oss: q, k, v and o projections carry a bias
+    # Mixture of experts (model_type qwen3_moe or gpt_oss; engine/model/moe.py). 0 experts: a dense model.
+    num_experts: int = 0  # HF: num_experts (Qwen3-MoE), num_local_experts (gpt-oss)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: Optional[int] = None  # per-expert MLP width (gpt-oss: intermediate_size)
+    norm_topk_prob: bool = True  # Qwen3-MoE: renormalise the top-k softmax probabilities to sum to 1
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the training loss
+    swiglu_limit: Optional[float] = None  # gpt-oss: clamp of the expert SwiGLU's gate (above) and up (both sides)
+    sliding_window: Optional[int] = None  # keys seen per query on "sliding_attention" layers
+    layer_types: Optional[List[str]] = None  # per layer: full_attention | sliding_attention; None: all full
     hidden_act: str = "silu"
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
@@ -421,7 +433,8 @@ def _validate_model(cfg: DictConfig) -> None:
     m = cfg.model
     _name("model.name", m.name)
     _choice("model.model_type", m.model_type, MODEL_TYPES)
-    family = {"qwen2": (True, False), "qwen3": (False, True), "llama": (False, False)}[m.model_type]
+    family = {"qwen2": (True, False), "qwen3": (False, True), "llama": (False, False), "qwen3_moe": (False, True),
+              "gpt_oss": (False, False)}[m.model_type]
     if (m.qkv_bias, m.qk_norm) != family:
         raise ConfigError(f"model.model_type={m.model_type} has model.qkv_bias={family[0]} and model.qk_norm="
                           f"{family[1]} in its HF architecture; got model.qkv_bias={m.qkv_bias}, "
@@ -459,31 +472,84 @@ def _validate_model(cfg: DictConfig) -> None:
         if not os.path.isfile(os.path.join(hf_dir, "config.json")):
             raise ConfigError(f"model.init={m.init!r}: {hf_dir} is not an HF checkpoint directory (no config.json)")
     _real("model.init_std", m.init_std, 0, low_open=True)
+    _validate_moe(m)
+
+
+def _validate_moe(m: DictConfig) -> None:
+    moe = m.model_type in MOE_MODEL_TYPES
+    if not moe:
+        for key, dense_value in (("num_experts", 0), ("attention_bias", False), ("swiglu_limit", None),
+                                 ("sliding_window", None), ("layer_types", None)):
+            if m[key] != dense_value:
+                raise ConfigError(f"model.{key}={m[key]} is only used by model_type in {MOE_MODEL_TYPES}; "
+                                  f"model.model_type={m.model_type} needs model.{key}={dense_value}")
+        return
+    gpt_oss = m.model_type == "gpt_oss"
+    if m.attention_bias != gpt_oss:
+        raise ConfigError(f"model.model_type={m.model_type} has model.attention_bias={gpt_oss} in its HF "
+                          f"architecture; got {m.attention_bias}")
+    _positive("model.num_experts", m.num_experts)
+    if not 1 <= m.num_experts_per_tok <= m.num_experts:
+        raise ConfigError(f"model.num_experts_per_tok={m.num_experts_per_tok} must be within [1, "
+                          f"model.num_experts={m.num_experts}]")
+    if m.moe_intermediate_size is None:
+        raise ConfigError(f"model.moe_intermediate_size is required for model_type={m.model_type} (the width of "
+                          "one expert's MLP)")
+    _positive("model.moe_intermediate_size", m.moe_intermediate_size)
+    _real("model.router_aux_loss_coef", m.router_aux_loss_coef, 0)
+    if gpt_oss and m.swiglu_limit is None:
+        raise ConfigError("model.swiglu_limit is required for model_type=gpt_oss (7.0 in the published configs)")
+    if m.swiglu_limit is not None:
+        if not gpt_oss:
+            raise ConfigError(f"model.swiglu_limit={m.swiglu_limit} is a gpt-oss field; model_type={m.model_type} "
+                              "needs null")
+        _real("model.swiglu_limit", m.swiglu_limit, 0, low_open=True)
+    if m.layer_types is not None:
+        # longer is allowed: a depth-truncated run (model.num_hidden_layers lowered) uses the first layers' types
+        if len(m.layer_types) < m.num_hidden_layers:
+            raise ConfigError(f"model.layer_types has {len(m.layer_types)} entries for model.num_hidden_layers="
+                              f"{m.num_hidden_layers}; give one per layer")
+        for i, kind in enumerate(m.layer_types):
+            _choice(f"model.layer_types[{i}]", kind, LAYER_TYPES)
+        if "sliding_attention" in m.layer_types and m.sliding_window is None:
+            raise ConfigError("model.layer_types has sliding_attention layers but model.sliding_window is null")
+    if m.sliding_window is not None:
+        _positive("model.sliding_window", m.sliding_window)
+
+
+YARN_KEYS = ("factor", "original_max_position_embeddings")
+YARN_OPTIONAL_KEYS = ("beta_fast", "beta_slow", "truncate", "attention_factor")
 
 
 def _validate_rope_scaling(rs: Any) -> None:
     if rs is None:
         return
-    valid = f"null, {{rope_type: default}} or {{rope_type: llama3, {', '.join(LLAMA3_KEYS)}}}"
-    if not isinstance(rs, DictConfig) or rs.get("rope_type") not in ("llama3", "default"):
+    valid = (f"null, {{rope_type: default}}, {{rope_type: llama3, {', '.join(LLAMA3_KEYS)}}} or {{rope_type: yarn, "
+             f"{', '.join(YARN_KEYS)}[, {', '.join(YARN_OPTIONAL_KEYS)}]}}")
+    if not isinstance(rs, DictConfig) or rs.get("rope_type") not in ("llama3", "yarn", "default"):
         raise ConfigError(f"model.rope_scaling={rs!r} is not supported; valid: {valid}")
-    allowed = {"rope_type", *LLAMA3_KEYS} if rs.rope_type == "llama3" else {"rope_type"}
+    required = {"default": (), "llama3": LLAMA3_KEYS, "yarn": YARN_KEYS}[rs.rope_type]
+    allowed = {"rope_type", *required, *(YARN_OPTIONAL_KEYS if rs.rope_type == "yarn" else ())}
     extra = sorted(set(rs.keys()) - allowed)
     if extra:
         raise ConfigError(f"model.rope_scaling has {', '.join(extra)}, which rope_type={rs.rope_type} does not take; "
                           f"valid: {valid}")
-    if rs.rope_type == "default":
-        return
-    missing = [k for k in LLAMA3_KEYS if k not in rs]
+    missing = [k for k in required if k not in rs]
     if missing:
-        raise ConfigError(f"model.rope_scaling (llama3) lacks {', '.join(missing)}")
-    for key in LLAMA3_KEYS:
+        raise ConfigError(f"model.rope_scaling ({rs.rope_type}) lacks {', '.join(missing)}")
+    numbers = [k for k in (*required, *YARN_OPTIONAL_KEYS) if k in rs and k != "truncate" and rs[k] is not None]
+    for key in numbers:
         if isinstance(rs[key], bool) or not isinstance(rs[key], (int, float)):
             raise ConfigError(f"model.rope_scaling.{key}={rs[key]!r} must be a number")
+    if rs.rope_type == "default":
+        return
     _real("model.rope_scaling.factor", rs.factor, 1)
-    _real("model.rope_scaling.low_freq_factor", rs.low_freq_factor, 0, low_open=True)
-    _real("model.rope_scaling.high_freq_factor", rs.high_freq_factor, rs.low_freq_factor, low_open=True,
-          why=" (above low_freq_factor)")
+    if rs.rope_type == "llama3":
+        _real("model.rope_scaling.low_freq_factor", rs.low_freq_factor, 0, low_open=True)
+        _real("model.rope_scaling.high_freq_factor", rs.high_freq_factor, rs.low_freq_factor, low_open=True,
+              why=" (above low_freq_factor)")
+    elif "truncate" in rs and not isinstance(rs.truncate, bool):
+        raise ConfigError(f"model.rope_scaling.truncate={rs.truncate!r} must be true or false")
     if not isinstance(rs.original_max_position_embeddings, int):
         raise ConfigError(f"model.rope_scaling.original_max_position_embeddings={rs.original_max_position_embeddings}"
                           " must be an integer")

@@ -50,8 +50,12 @@ attention shares k and v across query heads but every query head still does its 
 
     train_flops_per_token = 6 * N_matmul + 6 * L * nh * hd * T
 
-`6n_flops_per_token` = 6 * (all parameters, embeddings included) is the figure other codebases (MegaTrain among
-them) report. It overcounts the embedding lookup and ignores attention; it is kept only for side-by-side comparison.
+Mixture-of-experts layers (engine/model/moe.py) count their router (h*E) and the k experts a token uses
+(k * 3*h*I_moe) in N_matmul; sliding-window layers count the mean number of keys inside their window instead of T/2
+(`mean_keys`).
+
+`6n_flops_per_token` = 6 * (all parameters, embeddings included; active parameters for MoE) is the figure other
+codebases (MegaTrain among them) report. It overcounts the embedding lookup and ignores attention; it is kept only for side-by-side comparison.
 
 Costs
 -----
@@ -95,32 +99,70 @@ def _dims(model_cfg) -> Tuple[int, int, int, int, int, int, int]:
             model_cfg.vocab_size)
 
 
-def count_params(model_cfg) -> int:
-    """All parameters: embeddings, the LM head unless tied, every layer's weights, biases and norms, the final norm."""
-    h, inter, n_layers, nh, kv, hd, vocab = _dims(model_cfg)
-    attn = h * nh * hd + 2 * h * kv * hd + nh * hd * h
+def _attention_params(model_cfg) -> Tuple[int, int]:
+    """(matmul parameters, all parameters) of one layer's attention block."""
+    h, _, _, nh, kv, hd, _ = _dims(model_cfg)
+    matmul = h * nh * hd + 2 * h * kv * hd + nh * hd * h
+    extra = 0
     if getattr(model_cfg, "qkv_bias", False):
-        attn += nh * hd + 2 * kv * hd
+        extra += nh * hd + 2 * kv * hd
+    if getattr(model_cfg, "attention_bias", False):  # gpt-oss: o_proj too, and a sink logit per head
+        extra += nh * hd + 2 * kv * hd + h + nh
     if getattr(model_cfg, "qk_norm", False):
-        attn += 2 * hd
-    layer = attn + 3 * h * inter + 2 * h  # + input and post-attention RMSNorm weights
+        extra += 2 * hd
+    return matmul, matmul + extra
+
+
+def _mlp_params(model_cfg, active: bool) -> Tuple[int, int]:
+    """(matmul parameters, all parameters) of one layer's MLP; a MoE layer counts its router and either all its
+    experts or (active=True) the k each token uses."""
+    h, inter = model_cfg.hidden_size, model_cfg.intermediate_size
+    experts = getattr(model_cfg, "num_experts", 0) or 0
+    if experts == 0:
+        return 3 * h * inter, 3 * h * inter
+    n = model_cfg.num_experts_per_tok if active else experts
+    inter = model_cfg.moe_intermediate_size
+    matmul = h * experts + n * 3 * h * inter
+    if model_cfg.model_type == "gpt_oss":  # router bias; each expert's gate_up and down biases
+        return matmul, matmul + experts + n * (2 * inter + h)
+    return matmul, matmul
+
+
+def count_params(model_cfg, active: bool = False) -> int:
+    """All parameters: embeddings, the LM head unless tied, every layer's weights, biases and norms, the final norm.
+    `active`: a MoE model's parameters one token uses (k experts per layer instead of all)."""
+    h, _, n_layers, _, _, _, vocab = _dims(model_cfg)
+    layer = _attention_params(model_cfg)[1] + _mlp_params(model_cfg, active)[1] + 2 * h  # + the two RMSNorms
     lm_head = 0 if getattr(model_cfg, "tie_word_embeddings", False) else vocab * h
     return vocab * h + n_layers * layer + h + lm_head
 
 
+def mean_keys(seq_len: int, window: Optional[int]) -> float:
+    """Keys a causal query sees on average over a sequence: T/2 (the convention below), or for a sliding window
+    W < T the exact mean of min(t, W) over t = 1..T."""
+    if window is None or window >= seq_len:
+        return seq_len / 2
+    return window * (seq_len - (window - 1) / 2) / seq_len
+
+
 def model_flops_per_token(model_cfg, seq_len: int) -> Dict[str, int]:
     """Training FLOPs per token; the formulas are in the module docstring. The `*_forward_*` entries split one
-    forward pass by unit, for the planner's time model: training = 3 x forward (the backward is twice the forward)."""
-    h, inter, n_layers, nh, kv, hd, vocab = _dims(model_cfg)
-    layer_matmul_params = h * nh * hd + 2 * h * kv * hd + nh * hd * h + 3 * h * inter
+    forward pass by unit, for the planner's time model: training = 3 x forward (the backward is twice the forward).
+    MoE layers count the router and the k active experts; sliding-window layers the keys their window holds."""
+    h, _, n_layers, nh, _, hd, vocab = _dims(model_cfg)
+    layer_matmul_params = _attention_params(model_cfg)[0] + _mlp_params(model_cfg, active=True)[0]
     matmul_params = n_layers * layer_matmul_params + vocab * h
-    layer_attn_forward = 2 * nh * hd * seq_len  # causal: QK^T and PV over seq_len / 2 keys on average
+    types = getattr(model_cfg, "layer_types", None)
+    window = getattr(model_cfg, "sliding_window", None)
+    keys = [mean_keys(seq_len, window if types is not None and types[i] == "sliding_attention" else None)
+            for i in range(n_layers)]
+    attn_forward = round(sum(4 * nh * hd * k for k in keys))  # QK^T and PV over the keys each query sees
     return {
         "matmul_params": matmul_params,
-        "train_flops_per_token": 6 * matmul_params + 3 * n_layers * layer_attn_forward,
-        "attn_flops_per_token": 3 * n_layers * layer_attn_forward,
-        "6n_flops_per_token": 6 * count_params(model_cfg),
-        "layer_forward_flops_per_token": 2 * layer_matmul_params + layer_attn_forward,
+        "train_flops_per_token": 6 * matmul_params + 3 * attn_forward,
+        "attn_flops_per_token": 3 * attn_forward,
+        "6n_flops_per_token": 6 * count_params(model_cfg, active=True),
+        "layer_forward_flops_per_token": 2 * layer_matmul_params + attn_forward // n_layers,
         "head_forward_flops_per_token": 2 * vocab * h,
     }
 

@@ -82,9 +82,9 @@ class ReferenceEngine:
             for unit in spec.layer_units:
                 p = self.params[unit.index]
                 if self.t.activation_checkpointing and torch.is_grad_enabled():
-                    x = checkpoint(spec.layer, p, x, rope, use_reentrant=False, preserve_rng_state=False)
+                    x = checkpoint(spec.layer, p, x, rope, unit.layer, use_reentrant=False, preserve_rng_state=False)
                 else:
-                    x = spec.layer(p, x, rope)
+                    x = spec.layer(p, x, rope, unit.layer)
             tied = embed_p[spec.tied_weight_name] if spec.tied else None
             return spec.loss_sum(head_p, x, labels_BT, tied)
 
@@ -93,6 +93,7 @@ class ReferenceEngine:
         each unit's gradient before the norm is taken."""
         t0 = time.perf_counter()
         n_tokens = sum(labels.numel() for _, labels in batches)
+        self.spec.begin_step(n_tokens)
         loss_total = torch.zeros((), device=self.device)
         for ids, labels in batches:
             ids, labels = ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)

@@ -82,7 +82,14 @@ def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute
 def layer_compute(spec: ModelSpec, cfg: DictConfig, device: torch.device) -> LayerCompute:
     """The attention backend and MLP chunk this run's layers use (a backend that cannot run is a ConfigError)."""
     t = cfg.train
-    return LayerCompute(attention=resolve_attention(t.attention, device.type, spec.arch.head_dim),
+    attention = resolve_attention(t.attention, device.type, spec.arch.head_dim, spec.sinks_or_window)
+    if spec.moe:
+        if t.mlp_chunk_tokens > 0:
+            raise ConfigError(f"train.mlp_chunk_tokens={t.mlp_chunk_tokens}: the routed MLP of a mixture-of-experts "
+                              f"model (model={cfg.model.name}) is not computed in token chunks yet; use 0 or -1 (auto, "
+                              "which leaves MoE layers unchunked)")
+        return LayerCompute(attention=attention, mlp_chunk_tokens=0)
+    return LayerCompute(attention=attention,
                         mlp_chunk_tokens=resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, t.micro_batch_size * t.seq_len))
 
 
@@ -281,6 +288,7 @@ class Trainer:
                 while step < t.steps and not signals.received:
                     lr = optim.lr_at(step, t)
                     record = self.engine.train_step(self._train_batches(step), lr)
+                    record.update(self.spec.step_stats())
                     step += 1
                     span_tokens += record["tokens"]
                     span_s += record["step_s"]

@@ -29,7 +29,15 @@ PUBLISHED = {  # shared/reference/models.md, recomputed from config.json and che
     "qwen14b": 14_770_033_664, "qwen32b": 32_763_876_352, "qwen72b": 72_706_203_648,
     "qwen3_8b": 8_190_735_360, "qwen3_14b": 14_768_307_200, "qwen3_32b": 32_762_123_264,
     "llama8b": 8_030_261_248, "llama70b": 70_553_706_496,
+    "qwen3_30b_a3b": 30_532_122_624, "gptoss20b": 20_914_757_184, "gptoss120b": 116_829_156_672,
 }
+ACTIVE = {"qwen3_30b_a3b": 3_353_032_704, "gptoss20b": 4_187_440_704, "gptoss120b": 5_711_982_912}  # card: 3.3/3.6/5.1B
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVE))
+def test_moe_active_params(name):
+    """Active parameters (k experts per layer) as models.md computes them, the embedding included."""
+    assert count_params(make_cfg([f"model={name}"]).model, active=True) == ACTIVE[name]
 
 
 def test_every_model_file_is_covered():
@@ -137,7 +145,10 @@ BAD = {
                            f"model.rope_scaling={{rope_type:llama3,factor:x,{LLAMA3}}}",
                            ("model.rope_scaling={rope_type:llama3,factor:8.0,low_freq_factor:4.0,high_freq_factor:1.0,"
                             "original_max_position_embeddings:64}"),
-                           f"model.rope_scaling={{rope_type:llama3,factor:8.0,{LLAMA3},beta:1}}"],
+                           f"model.rope_scaling={{rope_type:llama3,factor:8.0,{LLAMA3},beta:1}}",
+                           "model.rope_scaling={rope_type:yarn,factor:4.0,original_max_position_embeddings:x}",
+                           "model.rope_scaling={rope_type:yarn,factor:4.0,original_max_position_embeddings:64,"
+                           "truncate:3}"],
     "model.rms_norm_eps": ["model.rms_norm_eps=0", "model.rms_norm_eps=nan", "model.rms_norm_eps=-1e-6"],
     "model.tie_word_embeddings": ["model.tie_word_embeddings=maybe"],
     "model.qkv_bias": ["model.qkv_bias=false", "model.qkv_bias=maybe"],
@@ -148,6 +159,21 @@ BAD = {
     "model.expected_params": ["model.expected_params=0", "model.expected_params=x"],
     "model.init": ["model.init=foo", "model.init=hf:", "model.init=hf:/nonexistent/checkpoint"],
     "model.init_std": ["model.init_std=0", "model.init_std=nan", "model.init_std=-0.02"],
+    "model.attention_bias": ["model.attention_bias=true", "model=gptoss20b model.attention_bias=false"],
+    "model.num_experts": ["model.num_experts=4", "model=qwen3_30b_a3b model.num_experts=0"],
+    "model.num_experts_per_tok": ["model=qwen3_30b_a3b model.num_experts_per_tok=0",
+                                  "model=qwen3_30b_a3b model.num_experts_per_tok=129"],
+    "model.moe_intermediate_size": ["model=qwen3_30b_a3b model.moe_intermediate_size=null",
+                                    "model=qwen3_30b_a3b model.moe_intermediate_size=0"],
+    "model.norm_topk_prob": ["model.norm_topk_prob=maybe"],
+    "model.router_aux_loss_coef": ["model=gptoss20b model.router_aux_loss_coef=-1",
+                                   "model=gptoss20b model.router_aux_loss_coef=nan"],
+    "model.swiglu_limit": ["model=gptoss20b model.swiglu_limit=null", "model=gptoss20b model.swiglu_limit=0",
+                           "model=qwen3_30b_a3b model.swiglu_limit=7.0"],
+    "model.sliding_window": ["model.sliding_window=128", "model=gptoss20b model.sliding_window=0",
+                             "model=gptoss20b model.sliding_window=null"],
+    "model.layer_types": ["model.layer_types=[full_attention]", "model=gptoss20b model.layer_types=[full_attention]",
+                          "model=gptoss20b model.layer_types=[global,local]"],
     "train.steps": ["train.steps=-1", "train.steps=abc"],
     "train.seq_len": ["train.seq_len=0", "train.seq_len=999999"],
     "train.micro_batch_size": ["train.micro_batch_size=0"],
@@ -277,7 +303,7 @@ def test_unknown_key_is_refused_whatever_the_syntax(override):
 
 @pytest.mark.parametrize("override, pattern", [
     ("+bogus=1", "bogus is not a config key or config group; valid top-level keys: data, engine"),
-    ("+model.foo=1", "model.foo is not a config key; valid keys of model: bos_token_id"),
+    ("+model.foo=1", "model.foo is not a config key; valid keys of model: attention_bias, bos_token_id"),
     ("train.lr.x=1", "train.lr.x is not a config key: train.lr holds a number"),
 ])
 def test_unknown_keys_name_the_valid_ones(override, pattern):

@@ -72,8 +72,8 @@ def test_matmul_flops_equal_torchs_count_of_a_training_pass(tied):
 
     def train_pass():
         x = spec.embed(params[0], ids)
-        for p in params[1:-1]:
-            x = spec.layer(p, x, spec.rope(T, "cpu"))
+        for i, p in enumerate(params[1:-1]):
+            x = spec.layer(p, x, spec.rope(T, "cpu"), i)
         spec.loss_sum(params[-1], x, labels, params[0][spec.tied_weight_name] if tied else None).backward()
 
     f = model_flops_per_token(cfg.model, T)

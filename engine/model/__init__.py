@@ -16,8 +16,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from engine.config import ConfigError
-from engine.model import dense
+from engine.config import MOE_MODEL_TYPES, ConfigError
+from engine.model import dense, moe
 from engine.model.layout import ParamSpec, UnitLayout
 from engine.model.rope import Rope, rope_tables
 
@@ -40,17 +40,44 @@ class ModelSpec:
     def __init__(self, model_cfg):
         m = model_cfg
         self.cfg = m
-        self.arch = dense.DenseArch(
-            hidden=m.hidden_size, intermediate=m.intermediate_size, heads=m.num_attention_heads,
-            kv_heads=m.num_key_value_heads, head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
-            vocab=m.vocab_size, eps=m.rms_norm_eps, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
-            tied=m.tie_word_embeddings)
         self.num_layers = m.num_hidden_layers
-        layer_specs = dense.layer_specs(self.arch)
+        head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+        self.moe = m.model_type in MOE_MODEL_TYPES
+        if self.moe:
+            self.arch = moe.MoeArch(
+                hidden=m.hidden_size, heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
+                head_dim=head_dim, vocab=m.vocab_size, eps=m.rms_norm_eps, tied=m.tie_word_embeddings,
+                qk_norm=m.qk_norm, attention_bias=m.attention_bias, sinks=m.model_type == "gpt_oss",
+                experts=m.num_experts, top_k=m.num_experts_per_tok, expert_intermediate=m.moe_intermediate_size,
+                norm_topk_prob=m.norm_topk_prob, router_bias=m.model_type == "gpt_oss",
+                swiglu_limit=m.swiglu_limit, aux_loss_coef=m.router_aux_loss_coef)
+            for key, value in (("hidden_size", m.hidden_size), ("moe_intermediate_size", m.moe_intermediate_size)):
+                if value % moe.GROUPED_MM_ALIGN_ELEMS:
+                    raise ConfigError(f"model.{key}={value}: the experts' grouped matmul needs a multiple of "
+                                      f"{moe.GROUPED_MM_ALIGN_ELEMS} (rows aligned to 16 bytes in bf16)")
+            layer_specs = moe.layer_specs(self.arch)
+            self.router_stats = moe.RouterStats(self.num_layers, m.num_experts, m.router_aux_loss_coef)
+        else:
+            self.arch = dense.DenseArch(
+                hidden=m.hidden_size, intermediate=m.intermediate_size, heads=m.num_attention_heads,
+                kv_heads=m.num_key_value_heads, head_dim=head_dim, vocab=m.vocab_size, eps=m.rms_norm_eps,
+                qkv_bias=m.qkv_bias, qk_norm=m.qk_norm, tied=m.tie_word_embeddings)
+            layer_specs = dense.layer_specs(self.arch)
+        self._layer_fn = moe.decoder_layer if self.moe else dense.decoder_layer
+        types = m.layer_types or []
+        # keys seen per query on each layer (None: all earlier ones); a depth-truncated run takes the first types
+        self.layer_windows: List[Optional[int]] = [
+            m.sliding_window if i < len(types) and types[i] == "sliding_attention" else None
+            for i in range(self.num_layers)]
         self.units: List[Unit] = [Unit(0, "embed", UnitLayout("", dense.embed_specs(self.arch)))]
         for i in range(self.num_layers):
             self.units.append(Unit(i + 1, "layer", UnitLayout(f"model.layers.{i}.", layer_specs), layer=i))
         self.units.append(Unit(self.num_layers + 1, "head", UnitLayout("", dense.head_specs(self.arch))))
+
+    @property
+    def sinks_or_window(self) -> bool:
+        """Attention sinks or sliding-window layers: only the Triton attention backend computes them."""
+        return bool(getattr(self.arch, "sinks", False)) or any(w is not None for w in self.layer_windows)
 
     @property
     def layer_units(self) -> List[Unit]:
@@ -83,12 +110,13 @@ class ModelSpec:
         return rope_tables(self.arch.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling, seq_len, device)
 
     def init_unit(self, unit: Unit, params: Dict[str, torch.Tensor], seed: int) -> None:
-        """Fill a unit's fp32 tensors in place: matrices N(0, init_std), norm weights 1, biases 0."""
+        """Fill a unit's fp32 tensors in place: matrices N(0, init_std), norm weights 1, the other vectors (biases,
+        attention sinks) 0."""
         gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + unit.index)
         for spec in unit.layout.specs:
             t = params[spec.name]
             if spec.kind == "vector":
-                t.fill_(0.0 if spec.name.endswith(".bias") else 1.0)
+                t.fill_(1.0 if spec.name.endswith("norm.weight") else 0.0)
             elif t.device.type == "cpu":
                 t.normal_(0.0, self.cfg.init_std, generator=gen)
             else:
@@ -99,7 +127,7 @@ class ModelSpec:
         (RMSNorm, RoPE, SwiGLU, residual adds, the fp32 cross-entropy), about a fifth of an eager layer's time.
         One compiled graph serves every layer (parameters are inputs, not module state); compiling costs about
         a minute on the first step."""
-        self._layer_fn = torch.compile(dense.decoder_layer, dynamic=False)
+        self._layer_fn = torch.compile(self._layer_fn, dynamic=False)
         self._loss_chunk_fn = torch.compile(dense.chunk_loss_sum, dynamic=False)
 
     def use_fused_loss(self) -> None:
@@ -113,7 +141,6 @@ class ModelSpec:
         self.compute = compute
 
     compute = dense.LayerCompute()
-    _layer_fn = staticmethod(dense.decoder_layer)
     _loss_chunk_fn = staticmethod(dense.chunk_loss_sum)
     fused_loss = False
 
@@ -121,8 +148,22 @@ class ModelSpec:
     def embed(self, p, ids_BT):
         return dense.embed(p, ids_BT)
 
-    def layer(self, p, x_BTD, rope: Rope):
-        return self._layer_fn(p, x_BTD, rope, self.arch, self.compute)
+    def layer(self, p, x_BTD, rope: Rope, layer: int):
+        """Decoder layer number `layer` (0-based; it picks the attention window) applied to x."""
+        if not self.moe:
+            return self._layer_fn(p, x_BTD, rope, self.arch, self.compute)
+        y, aux, load = self._layer_fn(p, x_BTD, rope, self.arch, self.compute, self.layer_windows[layer])
+        return self.router_stats.attach(y, aux, load, layer)
+
+    def begin_step(self, step_tokens: int) -> None:
+        """Called by the engines at the start of a train step: the MoE balance loss is weighted by the step's
+        tokens, and its statistics restart."""
+        if self.moe:
+            self.router_stats.begin_step(step_tokens)
+
+    def step_stats(self) -> dict:
+        """The last step's MoE routing figures (engine/model/moe.py `RouterStats.summary`); {} for dense models."""
+        return self.router_stats.summary() if self.moe else {}
 
     def loss_sum(self, p, x_BTD, labels_BT, tied_weight=None):
         if self.fused_loss:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,18 @@ def _triton_runs_on(device_type: str) -> bool:
     return device_type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_attention(requested: str, device_type: str, head_dim: int) -> str:
+def resolve_attention(requested: str, device_type: str, head_dim: int, sinks_or_window: bool = False) -> str:
     """The concrete backend for `train.attention=requested` on this device and head size; raises ConfigError
-    naming the value and what would be valid when the asked-for backend cannot run."""
+    naming the value and what would be valid when the asked-for backend cannot run. `sinks_or_window`: the model
+    has attention sinks or sliding-window layers (gpt-oss), which only the Triton kernel computes."""
     if requested not in ATTENTION_BACKENDS:
         raise ConfigError(f"train.attention={requested!r} is not valid; choose one of {', '.join(ATTENTION_BACKENDS)}")
     triton_fits = head_dim in HEAD_DIMS
+    if sinks_or_window:
+        if requested not in ("auto", "triton"):
+            raise ConfigError(f"train.attention={requested}: this model has attention sinks or sliding-window layers, "
+                              "which only the Triton kernel computes; use train.attention=triton or auto")
+        requested = "triton"
     if requested == "auto":
         return "sdpa"
     if requested == "triton":
@@ -69,21 +76,27 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 @torch.compiler.disable
-def _triton_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> torch.Tensor:
+def _triton_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, window: Optional[int],
+                      sinks: Optional[torch.Tensor]) -> torch.Tensor:
     from engine.kernels.attention import flash_attention
 
-    return flash_attention(q_BHTD, k_BHTD, v_BHTD, causal=True)
+    return flash_attention(q_BHTD, k_BHTD, v_BHTD, causal=True, window=window, sinks=sinks)
 
 
 def causal_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
-                     backend: str = "sdpa") -> torch.Tensor:
+                     backend: str = "sdpa", window: Optional[int] = None,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Returns [B, T, nh*hd] in the compute dtype. Scale hd**-0.5, causal, no dropout. `backend`: a resolved
-    name (not `auto`)."""
+    name (not `auto`). `window` (keys seen per query, itself included) and `sinks` (fp32 [nh] logits, gpt-oss) are
+    computed by the Triton kernel only; `resolve_attention` refuses the other backends for models that use them."""
     dtype = _compute_dtype(q_BHTD)
     B, nh, T, hd = q_BHTD.shape
     q, k, v = (t.to(dtype) for t in (q_BHTD, k_BHTD, v_BHTD))
+    if backend != "triton" and (window is not None or sinks is not None):
+        raise ValueError(f"causal_attention: backend {backend!r} computes neither sliding windows nor sinks; "
+                         "use triton")
     if backend == "triton":
-        out = _triton_attention(q, k, v)
+        out = _triton_attention(q, k, v, window, sinks)
     elif backend == "flash_attn":
         from flash_attn import flash_attn_func
 

@@ -149,8 +149,10 @@ def _mlp(p: Params, x_BTD: torch.Tensor, a: DenseArch, chunk_tokens: int) -> tor
     return torch.cat(parts).view(B, T, D)
 
 
-def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: DenseArch,
-                  c: LayerCompute = LayerCompute()) -> torch.Tensor:
+def attention_residual(p: Params, x_BTD: torch.Tensor, rope: Rope, a, c: LayerCompute = LayerCompute(),
+                       window: Optional[int] = None) -> torch.Tensor:
+    """x + attention(norm(x)): the first half of a decoder layer, shared with the MoE templates (engine/model/moe.py).
+    `a` is any arch with heads, kv_heads, head_dim, eps and qk_norm; biases and sinks are used when `p` has them."""
     B, T, _ = x_BTD.shape
     y = rms_norm(x_BTD, p["input_layernorm.weight"], a.eps)
     q = F.linear(y, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
@@ -164,9 +166,13 @@ def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: DenseArch,
     q = apply_rope(q.transpose(1, 2), rope)
     k = apply_rope(k.transpose(1, 2), rope)
     v = v.view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
-    attn = causal_attention(q, k, v, c.attention)
-    x_BTD = x_BTD + F.linear(attn, p["self_attn.o_proj.weight"])
-    return _mlp(p, x_BTD, a, c.mlp_chunk_tokens)
+    attn = causal_attention(q, k, v, c.attention, window=window, sinks=p.get("self_attn.sinks"))
+    return x_BTD + F.linear(attn, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
+
+
+def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: DenseArch,
+                  c: LayerCompute = LayerCompute()) -> torch.Tensor:
+    return _mlp(p, attention_residual(p, x_BTD, rope, a, c), a, c.mlp_chunk_tokens)
 
 
 def _lm_weight(p: Params, tied_weight: Optional[torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""Rotary position embeddings: inverse frequencies (default and Llama 3.1 rescaling) and cos/sin tables.
+"""Rotary position embeddings: inverse frequencies (default, Llama 3.1 rescaling, YaRN) and cos/sin tables.
 
 Computed in fp32 with autocast off, as transformers does; the tables are [T, head_dim] with the frequencies repeated
-for the two halves (the rotate-half convention of HF checkpoints).
+for the two halves (the rotate-half convention of HF checkpoints). YaRN (gpt-oss) blends interpolated and original
+frequencies by a linear ramp over the rotation count at the original context, and multiplies cos and sin by an
+attention factor (0.1 ln(factor) + 1 unless given).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ def inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None or scaling.get("rope_type", "default") == "default":
         return freq
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(freq, head_dim, theta, scaling)
     if scaling["rope_type"] != "llama3":
-        raise ValueError(f"rope_scaling.rope_type={scaling['rope_type']!r} is not supported (llama3, default)")
+        raise ValueError(f"rope_scaling.rope_type={scaling['rope_type']!r} is not supported (llama3, yarn, default)")
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     original = float(scaling["original_max_position_embeddings"])
@@ -35,6 +39,34 @@ def inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     return torch.where(medium, blended, out)
 
 
+def _yarn_inv_freq(freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+
+    def dim_of(rotations: float) -> float:  # the frequency index that turns `rotations` times over the original span
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(float(scaling.get("beta_fast") or 32)), dim_of(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (fast rotations), 0: the interpolated one
+    return (freq / factor) * (1 - keep) + freq * keep
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN applies to cos and sin (1 for the other rope types)."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
 def rope_tables(head_dim: int, theta: float, scaling: dict | None, seq_len: int,
                 device: torch.device | str = "cpu") -> Rope:
     freq = inv_freq(head_dim, theta, scaling).to(device)
@@ -42,7 +74,10 @@ def rope_tables(head_dim: int, theta: float, scaling: dict | None, seq_len: int,
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)
         angles = torch.outer(pos, freq)
         emb = torch.cat((angles, angles), dim=-1)
-        return Rope(emb.cos(), emb.sin())
+        scale = attention_factor(scaling)
+        if scale == 1.0:
+            return Rope(emb.cos(), emb.sin())
+        return Rope(emb.cos() * scale, emb.sin() * scale)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

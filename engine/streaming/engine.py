@@ -345,11 +345,11 @@ class StreamEngine:
                         self.activations.put(k - 1, m, x[m])
                     if kept:
                         x_in = x[m].detach().requires_grad_()
-                        y = spec.layer(p, x_in, self.rope)
+                        y = spec.layer(p, x_in, self.rope, k - 1)
                         self.graphs[(k, m)] = (x_in, y, p)
                         x[m] = y.detach()
                     else:
-                        x[m] = spec.layer(p, x[m], self.rope)
+                        x[m] = spec.layer(p, x[m], self.rope, k - 1)
             self._release(k)
             self._load_ahead(order, k, wait=True)  # the last layer's window holds the head
         return x
@@ -402,7 +402,7 @@ class StreamEngine:
                 else:
                     x_in = self._layer_input(unit - 1, m).requires_grad_()
                     with autocast_ctx(self.dev.device, self.compute_dtype):
-                        y = spec.layer(p, x_in, self.rope)
+                        y = spec.layer(p, x_in, self.rope, unit - 1)
                 names = list(p)
                 grads = torch.autograd.grad(y, [x_in] + [p[n] for n in names], grad_outputs=dx[m])
                 dx[m] = grads[0]
@@ -433,7 +433,7 @@ class StreamEngine:
             p = self._enter(order, k)
             with torch.no_grad(), autocast_ctx(self.dev.device, self.compute_dtype):
                 for m in range(micro_batches):
-                    x[m] = spec.layer(p, x[m], self.rope)
+                    x[m] = spec.layer(p, x[m], self.rope, unit - 1)
                     self.regenerated[(unit, m)] = x[m]
             self._release(unit)
 
@@ -451,6 +451,7 @@ class StreamEngine:
         t0 = time.perf_counter()
         self.optimizer_wait_s = 0.0
         n_tokens = sum(labels.numel() for _, labels in batches)
+        self.spec.begin_step(n_tokens)
         ids = [i.to(self.dev.device, non_blocking=True) for i, _ in batches]
         labels = [lab.to(self.dev.device, non_blocking=True) for _, lab in batches]
         self.gpu_grads: Dict[int, GradAccumulator] = {}

@@ -1,0 +1,249 @@
+"""Mixture-of-experts decoder templates: Qwen3-MoE and gpt-oss, as pure functions of (parameters, inputs).
+
+A MoE layer is the dense layer's attention block (engine/model/dense.py; gpt-oss adds q/k/v/o biases, a learned
+sink logit per head and a 128-key sliding window on every other layer) followed by a routed MLP:
+
+- router: a linear map to E expert logits (gpt-oss: with a bias). Qwen3-MoE takes the softmax over all E, keeps the
+  top k and renormalises them to sum to 1; gpt-oss keeps the top k logits and takes the softmax over those k.
+- experts: token rows are sorted by expert (a stable argsort of the N*k choices), gathered, and pushed through two
+  grouped matmuls (torch's `grouped_mm`: one launch for all experts, jagged by the per-expert counts; no Python loop
+  over experts, no host sync). An expert with no tokens is an empty group: its weight gradient is exactly zero and
+  its rows of the flat layout are untouched by any other expert's. Qwen3-MoE's experts are SwiGLU with
+  `gate_up_proj` [E, 2I, D] (gate rows first) and `down_proj` [E, D, I], applied as x @ W^T; gpt-oss's are a
+  clamped SwiGLU (gate <= limit, |up| <= limit, gate * sigmoid(1.702 gate) * (up + 1)) with gate and up
+  interleaved in `gate_up_proj` [E, D, 2I] and `down_proj` [E, I, D], applied as x @ W, each with a bias.
+- the k expert outputs of a token are weighted by its routing weights and summed back into the residual stream.
+
+Names and shapes are those of transformers' in-memory modules (v5), so `logits` and gradients compare directly;
+engine/checkpoint/hf.py maps them to the on-disk tensors (per-expert tensors for Qwen3-MoE, MXFP4 for gpt-oss).
+
+**Load-balancing loss.** Each layer computes the Switch-Transformer term E * sum_e f_e * P_e over its N tokens
+(f_e: the fraction of the N*k choices that picked expert e, times k; P_e: the mean router probability of e, softmax
+over all E). The training loss adds `router_aux_loss_coef` times its mean over the layers (and over the step's
+micro-batches, weighted by their tokens). transformers pools f and P over all layers before taking the product; for
+one layer the two agree, and for more they differ by the cross-layer terms, which a streamed engine cannot form
+(each layer's backward runs before the others' forwards are known in the reference order). The term never enters
+the activations: `RouterStats.attach` hands the layer output through unchanged and, in its backward, adds the
+term's gradient with the right weight, so both engines train with it through their usual `spec.layer` calls.
+That backward runs exactly once per layer and micro-batch (recomputes and regenerated inputs carry no grad), which
+is also where the per-expert load is recorded for the metrics log.
+
+Costs per token and layer: the router (2*D*E FLOPs forward), k experts (2 * 3*D*I each), and the gather/scatter of
+k rows of D. `tflops` and `mfu` count the active parameters (engine/metrics.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from engine.model import dense
+from engine.model.layout import ParamSpec
+from engine.model.rope import Rope
+
+Params = Dict[str, torch.Tensor]
+
+GPT_OSS_SWIGLU_ALPHA = 1.702  # the sigmoid's slope in gpt-oss's expert activation (fixed in its reference code)
+GROUPED_MM_ALIGN_ELEMS = 8  # grouped_mm wants row strides that are multiples of 16 bytes (8 bf16 elements)
+
+grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public name from torch 2.10; same op before
+
+
+@dataclass(frozen=True)
+class MoeArch:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    tied: bool
+    qk_norm: bool  # Qwen3-MoE
+    attention_bias: bool  # gpt-oss: q, k, v and o biases
+    sinks: bool  # gpt-oss: one learned logit per head in every softmax row
+    experts: int
+    top_k: int
+    expert_intermediate: int
+    norm_topk_prob: bool  # Qwen3-MoE
+    router_bias: bool  # gpt-oss
+    swiglu_limit: Optional[float]  # gpt-oss's clamped SwiGLU; None: SwiGLU with SiLU
+    aux_loss_coef: float
+    qkv_bias: bool = False
+
+    @property
+    def intermediate(self) -> int:
+        """MLP width one token activates (k experts), for the planner's activation model."""
+        return self.top_k * self.expert_intermediate
+
+    @property
+    def gpt_oss(self) -> bool:
+        return self.swiglu_limit is not None
+
+
+def layer_specs(a: MoeArch) -> List[ParamSpec]:
+    h, q_out, kv_out = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
+    E, I = a.experts, a.expert_intermediate
+    specs = [
+        ParamSpec("input_layernorm.weight", (h,), "vector"),
+        ParamSpec("self_attn.q_proj.weight", (q_out, h), "matmul"),
+        ParamSpec("self_attn.k_proj.weight", (kv_out, h), "matmul"),
+        ParamSpec("self_attn.v_proj.weight", (kv_out, h), "matmul"),
+        ParamSpec("self_attn.o_proj.weight", (h, q_out), "matmul"),
+        ParamSpec("post_attention_layernorm.weight", (h,), "vector"),
+    ]
+    if a.qk_norm:
+        specs += [ParamSpec("self_attn.q_norm.weight", (a.head_dim,), "vector"),
+                  ParamSpec("self_attn.k_norm.weight", (a.head_dim,), "vector")]
+    if a.attention_bias:
+        specs += [ParamSpec("self_attn.q_proj.bias", (q_out,), "vector"),
+                  ParamSpec("self_attn.k_proj.bias", (kv_out,), "vector"),
+                  ParamSpec("self_attn.v_proj.bias", (kv_out,), "vector"),
+                  ParamSpec("self_attn.o_proj.bias", (h,), "vector")]
+    if a.sinks:
+        specs.append(ParamSpec("self_attn.sinks", (a.heads,), "vector"))
+    if a.gpt_oss:
+        specs += [ParamSpec("mlp.router.weight", (E, h), "matmul"),
+                  ParamSpec("mlp.experts.gate_up_proj", (E, h, 2 * I), "matmul"),
+                  ParamSpec("mlp.experts.down_proj", (E, I, h), "matmul"),
+                  ParamSpec("mlp.router.bias", (E,), "vector"),
+                  ParamSpec("mlp.experts.gate_up_proj_bias", (E, 2 * I), "vector"),
+                  ParamSpec("mlp.experts.down_proj_bias", (E, h), "vector")]
+    else:
+        specs += [ParamSpec("mlp.gate.weight", (E, h), "matmul"),
+                  ParamSpec("mlp.experts.gate_up_proj", (E, 2 * I, h), "matmul"),
+                  ParamSpec("mlp.experts.down_proj", (E, h, I), "matmul")]
+    return specs
+
+
+def router_weight_name(a: MoeArch) -> str:
+    return "mlp.router.weight" if a.gpt_oss else "mlp.gate.weight"
+
+
+def route(p: Params, y_ND: torch.Tensor, a: MoeArch):
+    """(router logits [N, E], routing weights [N, k], chosen experts [N, k]) as transformers computes them."""
+    logits = F.linear(y_ND, p[router_weight_name(a)], p.get("mlp.router.bias"))
+    if a.gpt_oss:
+        top, chosen = torch.topk(logits, a.top_k, dim=-1)
+        return logits, torch.softmax(top, dim=1, dtype=top.dtype), chosen
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, chosen = torch.topk(probs, a.top_k, dim=-1)
+    if a.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), chosen
+
+
+def balance_loss(logits_NE: torch.Tensor, chosen_Nk: torch.Tensor, experts: int):
+    """(E * sum_e f_e P_e, the per-expert count of choices [E] int64) for one layer's N tokens."""
+    probs = torch.softmax(logits_NE, dim=-1)
+    load = torch.zeros(experts, dtype=torch.int64, device=chosen_Nk.device)
+    load.scatter_add_(0, chosen_Nk.reshape(-1), torch.ones_like(chosen_Nk.reshape(-1)))
+    n = logits_NE.shape[0]
+    f = load.float() / n
+    return experts * (f * (probs.float().sum(dim=0) / n)).sum(), load
+
+
+def _compute_dtype(device_type: str, fallback: torch.dtype) -> torch.dtype:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else fallback
+
+
+def _activation(h: torch.Tensor, a: MoeArch) -> torch.Tensor:
+    if not a.gpt_oss:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    gate, up = h[..., ::2], h[..., 1::2]
+    gate = gate.clamp(max=a.swiglu_limit)
+    up = up.clamp(min=-a.swiglu_limit, max=a.swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_SWIGLU_ALPHA))
+
+
+def experts(p: Params, y_ND: torch.Tensor, weights_Nk: torch.Tensor, chosen_Nk: torch.Tensor, a: MoeArch,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """The weighted sum of each token's k expert outputs, [N, D] in out_dtype (the residual stream's)."""
+    N, k = chosen_Nk.shape
+    flat = chosen_Nk.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    expert_of_row = flat[order]
+    counts = torch.zeros(a.experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)
+    dtype = _compute_dtype(y_ND.device.type, y_ND.dtype)
+    w1, w2 = p["mlp.experts.gate_up_proj"].to(dtype), p["mlp.experts.down_proj"].to(dtype)
+    if not a.gpt_oss:  # stored as [E, out, in] (x @ W^T)
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    rows = y_ND.to(dtype)[token]
+    h = grouped_mm(rows, w1, offs=offs)
+    if a.gpt_oss:
+        h = h + p["mlp.experts.gate_up_proj_bias"][expert_of_row]
+    out = grouped_mm(_activation(h, a).to(dtype), w2, offs=offs)
+    if a.gpt_oss:
+        out = out + p["mlp.experts.down_proj_bias"][expert_of_row]
+    out = out * weights_Nk.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros(N, y_ND.shape[-1], dtype=out_dtype, device=y_ND.device).index_add_(0, token, out.to(out_dtype))
+
+
+def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: MoeArch,
+                  c: dense.LayerCompute = dense.LayerCompute(), window: Optional[int] = None):
+    """(layer output [B, T, D], this layer's balance loss (fp32 scalar), per-expert load [E] int64)."""
+    x_BTD = dense.attention_residual(p, x_BTD, rope, a, c, window)
+    B, T, D = x_BTD.shape
+    y_ND = dense.rms_norm(x_BTD, p["post_attention_layernorm.weight"], a.eps).reshape(B * T, D)
+    logits, weights, chosen = route(p, y_ND, a)
+    aux, load = balance_loss(logits, chosen, a.experts)
+    out = experts(p, y_ND, weights, chosen, a, x_BTD.dtype)
+    return x_BTD + out.view(B, T, D), aux, load
+
+
+class RouterStats:
+    """The load-balancing loss's gradient, and the step's routing statistics for the metrics log.
+
+    `attach(y, aux, load, layer)` returns y; in the backward it adds d(weight * aux) with weight =
+    coef * T_m / (step_tokens * L), T_m the micro-batch's tokens, and records aux and load. `begin_step(n)` sets
+    step_tokens and clears the record; a backward outside a train step (calibration) weighs only its own tokens."""
+
+    def __init__(self, num_layers: int, experts: int, coef: float):
+        self.num_layers, self.experts, self.coef = num_layers, experts, coef
+        self.begin_step(None)
+
+    def begin_step(self, step_tokens: Optional[int]) -> None:
+        self.step_tokens = step_tokens
+        self.aux_mean: Optional[torch.Tensor] = None  # sum of weight/coef * aux: the step's mean balance loss
+        self.load: Dict[int, torch.Tensor] = {}  # layer -> choices per expert, summed over micro-batches
+
+    def attach(self, y: torch.Tensor, aux: torch.Tensor, load: torch.Tensor, layer: int) -> torch.Tensor:
+        return _AttachBalanceLoss.apply(y, aux, load, self, layer)
+
+    def _record(self, layer: int, tokens: int, aux: torch.Tensor, load: torch.Tensor) -> float:
+        share = tokens / ((self.step_tokens or tokens) * self.num_layers)
+        term = aux.detach().double() * share
+        self.aux_mean = term if self.aux_mean is None else self.aux_mean + term
+        self.load[layer] = load if layer not in self.load else self.load[layer] + load
+        return self.coef * share
+
+    def summary(self) -> dict:
+        """`balance_loss`: the step's mean per-layer balance term (1.0 is uniform routing for Qwen3-MoE-style
+        top-k; the training loss added coef times it); `expert_load_max`/`_min`: over layers and experts, an
+        expert's share of its layer's choices relative to a uniform share (1.0 = balanced). Empty before any
+        backward of the step. Syncs the device once."""
+        if self.aux_mean is None:
+            return {}
+        loads = torch.stack([self.load[i] for i in sorted(self.load)]).double()
+        rel = loads * self.experts / loads.sum(dim=1, keepdim=True).clamp(min=1)
+        return {"balance_loss": float(self.aux_mean), "expert_load_max": float(rel.max()),
+                "expert_load_min": float(rel.min())}
+
+
+class _AttachBalanceLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, aux, load, stats: RouterStats, layer: int):
+        ctx.stats, ctx.layer, ctx.tokens = stats, layer, y.shape[0] * y.shape[1]
+        ctx.aux, ctx.load = aux.detach(), load
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        weight = ctx.stats._record(ctx.layer, ctx.tokens, ctx.aux, ctx.load)
+        return dy, torch.full_like(ctx.aux, weight), None, None, None
