@@ -183,6 +183,11 @@ class HardwareConfig:
     cpu_adam_gparams_per_s_under_pcie: float = 0.0  # the same while both PCIe directions stream
     host_process_gib: float = 0.0  # host memory of a training process before any state (torch, CUDA, compiled code)
     calibration: str = ""  # where the measured figures come from (written by bench/calibrate.py)
+    # The NVMe tier (engine/streaming/nvme.py): Adam moments of host-updated units in a file on a local disk
+    nvme_dir: Optional[str] = None  # a directory on that disk; None: no NVMe tier
+    nvme_gib: float = 0.0  # disk space the tier may use (0: none)
+    nvme_gbps: float = 0.0  # sequential read + write rate of that disk, for the planner's time model (0: unknown)
+    nvme_direct_io: bool = True  # O_DIRECT (no page cache); false: buffered I/O, pages dropped after each write
 
 
 @dataclass
@@ -226,6 +231,9 @@ class EngineConfig:
     # the GPU meanwhile); -1: 1 (every input kept), or the smallest N with which the plan fits
     recompute_group: int = -1
     fused_kernels: bool = True  # stream: Triton gradient accumulation (engine/kernels/grad_accum.py); off: torch ops
+    # stream: the Adam moments of the last N host-updated units live in the NVMe tier's file (hardware.nvme_dir);
+    # -1: as few as the host memory plan needs (none without hardware.nvme_dir)
+    nvme_units: int = -1
 
 
 @dataclass
@@ -414,6 +422,11 @@ def validate(cfg: DictConfig) -> None:
     if e.keep_activation_layers > cfg.model.num_hidden_layers:
         raise ConfigError(f"engine.keep_activation_layers={e.keep_activation_layers} must be <= "
                           f"model.num_hidden_layers={cfg.model.num_hidden_layers}")
+    _positive("engine.nvme_units", e.nvme_units, -1)
+    if e.nvme_units > 0 and not formats.StateFormat.of(cfg.train).exact:
+        raise ConfigError(f"engine.nvme_units={e.nvme_units}: the NVMe tier holds the fp32 moments of host-updated "
+                          f"units, and {formats.StateFormat.of(cfg.train).overrides()} updates every unit on the GPU; "
+                          "use engine.nvme_units=-1 or 0")
     if e.recompute_group == 0 or e.recompute_group < -1:
         raise ConfigError(f"engine.recompute_group={e.recompute_group} is not valid; use -1 (auto) or a number of "
                           "layers per recompute group >= 1")
@@ -607,7 +620,7 @@ def _validate_train(cfg: DictConfig) -> None:
 TFLOPS_FIGURES = tuple(f"{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd", "head"))
 TRANSFER_FIGURES = ("h2d_gbps", "d2h_gbps", "bidir_gbps", "cpu_adam_gparams_per_s", "cpu_adam_gparams_per_s_under_pcie")
 HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
-                    "host_process_gib", *TFLOPS_FIGURES, *TRANSFER_FIGURES)
+                    "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES, *TRANSFER_FIGURES)
 
 
 def _validate_hardware(cfg: DictConfig) -> None:
@@ -629,6 +642,12 @@ def _validate_hardware(cfg: DictConfig) -> None:
             _real(f"hardware.{key}", hw[key], 0, low_open=True,
                   why=" when TFLOPS figures are set: the planner's step-time model divides by it (bench/calibrate.py "
                       "measures it), or set the TFLOPS figures to 0 for no prediction")
+    if hw.nvme_gib > 0 or (cfg.engine.nvme_units > 0 and not cfg.plan):
+        if not hw.nvme_dir:
+            raise ConfigError(f"hardware.nvme_gib={hw.nvme_gib}, engine.nvme_units={cfg.engine.nvme_units}: the NVMe "
+                              "tier needs hardware.nvme_dir (a directory on a local disk)")
+        if not cfg.plan and not os.path.isdir(os.path.expanduser(hw.nvme_dir)):
+            raise ConfigError(f"hardware.nvme_dir={hw.nvme_dir} is not a directory")
     if hw.device == "cuda" and cfg.plan:
         _real("hardware.gpu_mem_gib", hw.gpu_mem_gib, 0, low_open=True,
               why=f" for plan=true with hardware={hw.name}: it is the GPU memory planned for")

@@ -104,6 +104,14 @@ class FlatAdamW:
         for p in self.params[index]:
             p.grad = None
 
+    def bind_moments(self, index: int, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Point unit `index`'s Adam state at other flat m and v buffers (the NVMe tier's staging), keeping its
+        step count."""
+        layout = self.layouts[index]
+        for p, mv, vv in zip(self.params[index], layout.views(m).values(), layout.views(v).values()):
+            state = self.opts[index].state[p]
+            state["exp_avg"], state["exp_avg_sq"] = mv, vv
+
     def step_count(self, index: int) -> float:
         return float(self.opts[index].state[self.params[index][0]]["step"])
 

@@ -25,6 +25,13 @@ Any `engine.*` placement set explicitly overrides `auto` / -1. A plan that does 
 table and, where smaller state formats would fit, up to three of them (the most precise first) with their totals. The GPU figures are tensor memory (`allocated`, what `torch.cuda.max_memory_allocated` measures) plus a
 reserved margin for the allocator's fragmentation and the CUDA context that the budget keeps free.
 
+NVMe tier (`hardware.nvme_dir`, `hardware.nvme_gib`; engine/streaming/nvme.py). The Adam moments of the last
+`engine.nvme_units` host-updated decoder layers may live in a file on a local disk: host RAM keeps their master
+(4 B/param) and three staging buffers of one layer's m + v; the disk holds 8 B/param (each region padded to 4 KiB).
+With -1 the planner moves layers there, last first, only as far as the host needs to fit, within
+`nvme_gib`; the exact fp32 formats only (they are the ones with host-updated units). Time: each such unit's update
+takes the longer of its AdamW and reading + writing its moments at `hardware.nvme_gbps`.
+
 Recompute groups (`engine.recompute_group` = g). At long context the kept layer inputs (4 B x hidden per token
 per layer) outgrow both tiers: qwen7b at 512K tokens keeps 7 GiB per layer, 196 GiB in all. With g > 1 only the
 inputs with index i % g == 0 (0-based) of the n recomputed layers are kept, one per group of g consecutive layers;
@@ -120,7 +127,9 @@ class MemoryPlan:
         lines = [f"memory plan (engine={self.engine})", f"{'tier':6} {'item':66} {'GiB':>10}"]
         for tier, item, nbytes in self.rows:
             lines.append(f"{tier:6} {item:66} {nbytes / GIB:10.3f}")
-        for tier in ("gpu", "host"):
+        for tier in ("gpu", "host", "nvme"):
+            if tier == "nvme" and not self.total(tier):
+                continue
             limit = self.limits_gib.get(tier)
             lim = f" of {limit:.1f} GiB" if limit else ""
             lines.append(f"{tier:6} {'TOTAL':66} {self.total(tier) / GIB:10.3f}{lim}")
@@ -338,6 +347,7 @@ class Speeds:
         self.h2d, self.d2h, self.bidir = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9, hw.bidir_gbps * 1e9
         # the host AdamW always runs while the forward streams, so its rate under PCIe load is the one used
         self.adam_pcie = hw.cpu_adam_gparams_per_s_under_pcie * 1e9
+        self.nvme = hw.nvme_gbps * 1e9  # 0: unknown, the tier's I/O is not timed
         self.known = min(self.fwd, self.bwd, self.head) > 0
 
     def describe(self, hw) -> str:
@@ -382,10 +392,19 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     g = placement["recompute_group"]
     kept_inputs = kept_layer_inputs(s.L, s.L + 1 - first_kept, g)
 
+    from engine.streaming.nvme import file_bytes as nvme_file_bytes, nvme_layers
+
+    on_disk = set(nvme_layers(n_units, n_res + n_str, placement.get("nvme_units", 0)))
+
+    def host_update_s(u: int) -> float:
+        """The host AdamW of unit u; for a unit in the NVMe tier, the longer of that and its moments' I/O."""
+        adam = numel[u] / sp.adam_pcie
+        return max(adam, 2 * nvme_file_bytes([numel[u]]) / sp.nvme) if u in on_disk and sp.nvme else adam
+
     host_done, clock = [0.0] * n_units, 0.0
     for u in range(n_units):
         if place[u] == "host":
-            clock += numel[u] / sp.adam_pcie
+            clock += host_update_s(u)
         host_done[u] = clock
     slots = n_units if cached else placement.get("slots", 2)
     h2d_end, d2h_end, end = [0.0] * n_units, [0.0] * n_units, [0.0] * n_units
@@ -430,13 +449,13 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
         h2d_busy += h2d
         d2h_busy += grad_out
     resident_adam = s.fmt.update_hbm_bytes(sum(numel[:n_res])) / HBM_ADAMW_BYTES_PER_S
-    host_total = sum(n for n, p in zip(numel, place) if p == "host") / sp.adam_pcie
+    host_total = sum(host_update_s(u) for u in range(n_units) if place[u] == "host")
     times = {"forward": t_fwd, "forward_compute": sum(compute), "forward_h2d": fwd_h2d, "forward_d2h": fwd_d2h,
              "head": head, "backward": backward, "gpu_resident_adamw": resident_adam, "host_adamw": host_total,
              "exposed_wait": exposed}
     times["step"] = t_fwd + head + backward + resident_adam + STEP_OVERHEAD_S
     busy_by = {"GPU compute": sum(compute) + head + backward, "H2D": h2d_busy, "D2H": d2h_busy,
-               "host AdamW": host_total}
+               "host AdamW" if not on_disk else "host AdamW + NVMe": host_total}
     return times, max(busy_by, key=busy_by.get)
 
 
@@ -524,6 +543,8 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
     layouts, L = s.layouts, s.L
     compute_tier = "gpu" if on_gpu else "host"
 
+    from engine.streaming.nvme import STAGING_BUFFERS, nvme_layers
+    from engine.streaming.nvme import file_bytes as nvme_file_bytes
     from engine.streaming.slots import STAGING_ELEMS
 
     ring_bytes = min(e.slots, L) * (s.compute_bytes * s.layer_cast + 4 * (s.layer_numel - s.layer_cast))
@@ -555,15 +576,23 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
 
     def rows_for(placement: Dict[str, object]) -> MemoryPlan:
         """The memory plan of one placement: every row, both tiers."""
-        plan = MemoryPlan(engine="stream", limits_gib={"gpu": gpu_gib if on_gpu else 0.0, "host": host_gib})
+        plan = MemoryPlan(engine="stream", limits_gib={"gpu": gpu_gib if on_gpu else 0.0, "host": host_gib,
+                                                       "nvme": hw.nvme_gib if hw.nvme_dir else 0.0})
         plan.placement = placement
         n_kept, g = placement["keep_activation_layers"], placement["recompute_group"]
         n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]
         n_host = len(layouts) - n_res - n_str
         grads_on_gpu = placement["grads_tier"] == "gpu"
         cached = placement["cache_weights"] == "on"
-        plan.add("host", f"{state_name}: {n_str} GPU-streamed + {n_host} host-updated units",
-                 sum(state_bytes[n_res:]))
+        disk = disk_units(placement)
+        plan.add("host", f"{state_name}: {n_str} GPU-streamed + {n_host} host-updated units"
+                 + (f" ({len(disk)} of them master only)" if disk else ""),
+                 sum(state_bytes[n_res:]) - sum(moment_bytes[u] for u in disk))
+        if disk:
+            plan.add("nvme", f"Adam m + v of the last {len(disk)} host-updated layers (a file in hardware.nvme_dir)",
+                     nvme_file_bytes([layouts[u].numel for u in disk]))
+            plan.add("host", f"NVMe tier staging ({STAGING_BUFFERS} x the largest such unit's m + v)",
+                     STAGING_BUFFERS * nvme_file_bytes([max(layouts[u].numel for u in disk)]))
         for item, nbytes in fixed_rows(n_kept):
             plan.add(compute_tier, item, nbytes)
         if n_res:
@@ -600,6 +629,33 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
         return plan
 
     n_units = len(layouts)
+    moment_bytes = [fmt.state_bytes(lay.numel) - fmt.master_bytes(lay.numel) for lay in layouts]
+    nvme_on = bool(hw.nvme_dir) and hw.nvme_gib > 0 and fmt.exact
+
+    def disk_units(placement: Dict[str, object]) -> List[int]:
+        """The units whose moments the placement puts in the NVMe tier: its last `nvme_units` host-updated layers."""
+        return nvme_layers(n_units, placement["gpu_resident_units"] + placement["gpu_streamed_units"],
+                           placement.get("nvme_units", 0))
+
+    def with_nvme(placement: Dict[str, object]) -> Dict[str, object]:
+        """`placement` with its `nvme_units`: the configured count, or (-1) the fewest host-updated units, last
+        first, whose moments on disk make the host fit, within hardware.nvme_gib."""
+        host_layers = len(nvme_layers(n_units, placement["gpu_resident_units"] + placement["gpu_streamed_units"],
+                                      n_units))
+        if e.nvme_units >= 0 or not nvme_on:
+            placement["nvme_units"] = max(0, e.nvme_units)
+            return placement
+        placement["nvme_units"] = 0
+        over = rows_for(placement).total("host") - host_gib * GIB
+        for n in range(1, host_layers + 1):
+            if over <= 0:
+                break
+            if nvme_file_bytes([layouts[u].numel for u in range(L + 1 - n, L + 1)]) > hw.nvme_gib * GIB:
+                break
+            placement["nvme_units"] = n
+            over = rows_for(placement).total("host") - host_gib * GIB
+        return placement
+
     # the host AdamW updates fp32 state only: a low-precision format puts every unit on the GPU for its update
     gpu_updated_only = not fmt.exact
     if gpu_updated_only and e.gpu_resident_units >= 0 and e.gpu_streamed_units >= 0 \
@@ -625,6 +681,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
             "gpu_resident_units": n_units if gpu_updated_only and e.gpu_resident_units < 0
             and e.gpu_streamed_units < 0 else max(0, e.gpu_resident_units)}
         placement["gpu_streamed_units"] = streamed_default(placement["gpu_resident_units"])
+        with_nvme(placement)
     else:
         splits = [(r, t) for r in ([min(e.gpu_resident_units, n_units)] if e.gpu_resident_units >= 0
                                    else range(n_units + 1))
@@ -651,7 +708,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
             for n_kept in kept_choices:
                 found = _placements(s, e, n_kept, g, splits, fixed_split, {
                     "free": hbm_left(n_kept, g),
-                    "host_free": host_gib * GIB - sum(state_bytes) - 2 * GIB,
+                    "host_free": host_gib * GIB - sum(state_bytes) - 2 * GIB + nvme_room,
                     "activation": activation_bytes(n_kept, g), "grad": grad_bytes, "side_grad": side_grad_bytes,
                     "cache": cache_bytes, "ring": ring_bytes})
                 if fallback is None:
@@ -659,11 +716,16 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
                 candidates += found[0]
                 if not found[0] and e.keep_activation_layers < 0:
                     break  # more kept graphs fit no better
+            for placement, _ in candidates:
+                with_nvme(placement)
+            with_nvme(fallback)
             return candidates, fallback, [c for c in candidates if not rows_for(c[0]).problem()]
 
         # the process, the state and every gradient but the embedding's, the head's and two layers' (those are in
         # the shared accumulators), whichever tier holds them
-        held_anyway = hw.host_process_gib * GIB + sum(state_bytes) + fmt.grad_bytes(
+        # the most host memory the NVMe tier could take over: every unit's moments, within its disk budget
+        nvme_room = min(hw.nvme_gib * GIB, sum(moment_bytes)) if nvme_on else 0
+        held_anyway = hw.host_process_gib * GIB + sum(state_bytes) - nvme_room + fmt.grad_bytes(
             sum(lay.numel for lay in layouts[1:-1]) - min(2, L) * s.layer_numel)
 
         def may_fit(g: int) -> bool:

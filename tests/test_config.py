@@ -225,6 +225,10 @@ BAD = {
         f"hardware.{other}=100" for other in TFLOPS_FIGURES if other != key and other[-5:] == key[-5:])]
        for key in TFLOPS_FIGURES},
     "hardware.calibration": ["hardware.calibration=[a]"],
+    "hardware.nvme_dir": [f"hardware.nvme_dir={A_FILE} hardware.nvme_gib=10", "hardware.nvme_dir=[a]"],
+    "hardware.nvme_gib": [*_figures("hardware.nvme_gib"), "hardware.nvme_gib=10"],
+    "hardware.nvme_gbps": _figures("hardware.nvme_gbps"),
+    "hardware.nvme_direct_io": ["hardware.nvme_direct_io=maybe"],
     "data.name": ["data.name=web"],
     "data.path": ["data.path=/nonexistent/tokens.bin data=memmap", "data.path=null data=memmap",
                   f"data.path={A_FILE}"],
@@ -245,6 +249,7 @@ BAD = {
     "engine.gpu_resident_units": ["engine.gpu_resident_units=-2"],
     "engine.gpu_streamed_units": ["engine.gpu_streamed_units=-2"],
     "engine.keep_activation_layers": ["engine.keep_activation_layers=-2", "engine.keep_activation_layers=99"],
+    "engine.nvme_units": ["engine.nvme_units=-2", "engine.nvme_units=x", "engine=stream engine.nvme_units=1"],
     "engine.recompute_group": ["engine.recompute_group=0", "engine.recompute_group=-2",
                                 "engine.recompute_group=99", "engine.recompute_group=two"],
     "engine.fused_kernels": ["engine.fused_kernels=maybe"],

@@ -78,6 +78,7 @@ from engine.optim import FlatAdamW
 from engine.streaming.activations import ActivationStore
 from engine.streaming.gradients import GradAccumulator
 from engine.streaming.host_store import HostStore, init_master
+from engine.streaming.nvme import MomentFile, nvme_layers
 from engine.streaming.slots import Slot, WeightLoader
 from engine.streaming.stall_timer import StallTimer
 from engine.streaming.streamed_update import StreamedUpdater
@@ -121,12 +122,22 @@ class StreamEngine:
         if not self.fmt.exact and self.host_units:
             raise ValueError(f"{self.fmt.overrides()} is updated on the GPU only (the host AdamW runs fp32 state), "
                              f"but the placement leaves units {self.host_units[0]}..{self.host_units[-1]} to it")
+        # the NVMe tier: the Adam moments of the last host-updated units live in a file (engine/streaming/nvme.py)
+        n_disk = placement.get("nvme_units", 0)
+        self.disk_units = nvme_layers(n_units, n_resident + len(self.streamed_units), n_disk)
+        if len(self.disk_units) < n_disk:
+            raise ValueError(f"engine.nvme_units={n_disk}, but only {len(self.disk_units)} decoder layers are "
+                             "host-updated")
         self.store = HostStore(spec, pin=self.dev.cuda, grad_units=() if self.grads_on_gpu else self.host_units,
                                grad_staging=2 if self.grads_on_gpu and self.host_units else 0,
                                host_activation_numel=activation_numel, seed=cfg.seed,
                                host_units=self.streamed_units + self.host_units, streamed_units=self.streamed_units,
-                               fmt=self.fmt)
+                               fmt=self.fmt, disk_units=self.disk_units)
         layouts = self.store.layouts
+        self.nvme: Optional[MomentFile] = None
+        if self.disk_units:
+            self.nvme = MomentFile(cfg.hardware.nvme_dir, {u: layouts[u].numel for u in self.disk_units},
+                                   cfg.hardware.nvme_direct_io)
         # each unit's state by name ("master", "m", "v"[, "m_scales", "v_scales"]): in the host store, or, for the
         # GPU-resident units, in GPU memory, initialised in fp32 there and rounded to the format
         states = [{name: self.store.state[name][u] for name in self.store.state} for u in range(n_units)]
@@ -147,6 +158,8 @@ class StreamEngine:
             for u in self.streamed_units:
                 for which, view in self.streamed.state_views(u).items():
                     opt_state[which][u] = view
+            for u in self.disk_units:  # rebound to the unit's staging buffer before each of its updates
+                opt_state["m"][u], opt_state["v"][u] = self.nvme.staging_views(u)
             self.opt = FlatAdamW(layouts, opt_state["master"], opt_state["m"], opt_state["v"], t)
         else:
             self.format_opt = optim.FormatAdamW(layouts, self.fmt, t, cfg.seed, states, device)
@@ -538,6 +551,10 @@ class StreamEngine:
             return buf, ev
 
         nxt = fetch(0) if self.grads_on_gpu else None  # the staging pair: fetch unit k+1 while k updates
+        disk = self.disk_units
+        if disk:
+            self.nvme.check()
+            self.nvme.prefetch(disk[0])
         for k, unit in enumerate(units):
             if self.grads_on_gpu:
                 grad, ev = nxt
@@ -548,8 +565,17 @@ class StreamEngine:
             ev.synchronize()
             if scale:
                 grad.mul_(coef)
-            self.opt.step_unit(unit, grad, lr)
+            if disk and disk[0] <= unit <= disk[-1]:  # consecutive layers
+                self.opt.bind_moments(unit, *self.nvme.acquire(unit))
+                if unit < disk[-1]:
+                    self.nvme.prefetch(unit + 1)
+                self.opt.step_unit(unit, grad, lr)
+                self.nvme.release(unit)
+            else:
+                self.opt.step_unit(unit, grad, lr)
             self.updated[unit].set()
+        if disk:
+            self.nvme.drain()
         self.last_optimizer_s = time.perf_counter() - start
 
     def _streamed_step(self, unit: int, grad: torch.Tensor, views: Dict[str, torch.Tensor], coef: torch.Tensor,
@@ -600,7 +626,7 @@ class StreamEngine:
             return {k: mv for u in self.spec.units for k, mv in self.format_opt.moments_by_name(u.index).items()}
         out = {}
         for u in self.spec.units:
-            m, v = self._views("m", u.index), self._views("v", u.index)
+            m, v = self._moment_views(u.index)
             for name in m:
                 out[u.layout.prefix + name] = (m[name].to("cpu", copy=True), v[name].to("cpu", copy=True))
         return out
@@ -610,8 +636,17 @@ class StreamEngine:
         self.wait_for_optimizer()
         if self.format_opt is not None:
             return self.format_opt.unit_state(index)
-        return {"master": self._views("master", index), "exp_avg": self._views("m", index),
-                "exp_avg_sq": self._views("v", index), "step": self.opt.step_count(index)}
+        m, v = self._moment_views(index)
+        return {"master": self._views("master", index), "exp_avg": m, "exp_avg_sq": v,
+                "step": self.opt.step_count(index)}
+
+    def _moment_views(self, index: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+        """A unit's m and v by tensor name: views into the host store, or copies read from the NVMe tier."""
+        if index not in self.disk_units:
+            return self._views("m", index), self._views("v", index)
+        layout = self.store.layouts[index]
+        m, v = self.nvme.read_copy(index)
+        return layout.views(m), layout.views(v)
 
     @torch.no_grad()
     def load_unit_state(self, index: int, master: Dict[str, torch.Tensor], exp_avg=None, exp_avg_sq=None,
@@ -622,10 +657,18 @@ class StreamEngine:
             self.format_opt.load_unit_state(index, master, exp_avg, exp_avg_sq, step, flat)
             self.version += 1
             return
+        disk = index in self.disk_units
         for which, values in (("master", master), ("m", exp_avg), ("v", exp_avg_sq)):
-            if values is not None:
+            if values is not None and not (disk and which != "master"):
                 for name, view in self._views(which, index).items():
                     view.copy_(values[name])
+        if disk and exp_avg is not None:
+            layout = self.store.layouts[index]
+            m, v = (torch.zeros(layout.numel) for _ in range(2))
+            for flat, values in ((m, exp_avg), (v, exp_avg_sq)):
+                for name, view in layout.views(flat).items():
+                    view.copy_(values[name])
+            self.nvme.write_from(index, m, v)
         if exp_avg is not None:
             self.opt.set_step_count(index, step)
         self.version += 1  # slots hold stale weights now
@@ -655,3 +698,5 @@ class StreamEngine:
         finally:
             self.pool.shutdown(wait=True)
             self.store.close()
+            if self.nvme is not None:
+                self.nvme.close()

@@ -44,12 +44,15 @@ def init_master(spec: ModelSpec, unit, flat: torch.Tensor, seed: int) -> None:
 class HostStore:
     def __init__(self, spec: ModelSpec, pin: bool, grad_units: Sequence[int], grad_staging: int,
                  host_activation_numel: int, seed: int, host_units: Optional[Sequence[int]] = None,
-                 streamed_units: Sequence[int] = (), init_threads: int = 8, fmt: Optional[StateFormat] = None):
+                 streamed_units: Sequence[int] = (), init_threads: int = 8, fmt: Optional[StateFormat] = None,
+                 disk_units: Sequence[int] = ()):
         """`host_units`: the units whose state lives here (default all); the others get empty placeholders (their
         state lives in GPU memory, owned by the engine). `grad_units`: the units whose gradients wait here for the
         global norm. `streamed_units`: units updated on the GPU from this state, whose moments (and int8 scales)
         cross the link too and are therefore pinned like the master. `fmt`: the state format (default fp32); a
-        bf16 master is initialised in fp32 and rounded to nearest, as `optim.FormatAdamW.from_masters` does."""
+        bf16 master is initialised in fp32 and rounded to nearest, as `optim.FormatAdamW.from_masters` does.
+        `disk_units`: host units whose m and v live in the NVMe tier's file (engine/streaming/nvme.py): they get
+        empty placeholders here."""
         self.spec = spec
         self.layouts = [u.layout for u in spec.units]
         self.host_units = set(range(len(spec.units)) if host_units is None else host_units)
@@ -62,8 +65,9 @@ class HostStore:
         self.fmt = fmt or StateFormat("fp32", "fp32", "fp32")
         self.state: Dict[str, List[torch.Tensor]] = {}  # "master", "m", "v"[, "m_scales", "v_scales"] -> per unit
         shapes = [state_shapes(self.fmt, n) for n in numels]
+        on_disk = set(disk_units)
         for name, (_, dtype) in shapes[0].items() if shapes else ():
-            unit_numels = [sh[name][0] for sh in shapes]
+            unit_numels = [0 if u in on_disk and name != "master" else sh[name][0] for u, sh in enumerate(shapes)]
             arena = self._alloc(KIND_OF_STATE[name], sum(unit_numels), zero=name != "master", dtype=dtype)
             self.state[name] = self._split(arena, unit_numels)
         self.master, self.m, self.v = self.state["master"], self.state["m"], self.state["v"]
