@@ -137,6 +137,19 @@ GRIDS = {
         for T, steps, suffix, extra in [(32768, 4, "", []), (131072, 3, "", ["hardware.host_mem_gib=118"]),
                                         (32768, 4, "-sdpa", ["train.attention=sdpa"]), (8192, 5, "", [])]
     ],
+    # issue 8: MoE through the streaming engine (conf/experiment): gpt-oss-120b at its width (4 of 36 layers),
+    # gpt-oss-20b and Qwen3-30B-A3B at full depth; eager first (the compiled MoE layer is unmeasured on a GPU)
+    "moe8": [
+        (f"{name}-stream-16k{suffix}", [f"+experiment={experiment}", "data=stdlib", "train.steps=4", *extra])
+        for name, experiment in [("gptoss120b-4l", "gptoss120b_4l_h200"), ("gptoss20b", "gptoss20b_h200"),
+                                 ("qwen3-30b-a3b", "qwen3_30b_a3b_h200")]
+        for suffix, extra in [("-eager", ["train.compile=off"]), ("-compiled", ["train.compile=on"])]
+    ],
+    # issue 7: qwen14b in fp32 at full depth with the moments of 18 layers in the NVMe tier (/tmp on the device)
+    "nvme7": [
+        ("qwen14b-stream-64k-fp32-nvme", ["+experiment=qwen14b_fp32_nvme_h200", "hardware.nvme_dir=/tmp/nvme",
+                                          "data=stdlib", "train.steps=3"]),
+    ],
     # issue 3: the same model on a GPU capped at 24 GB (host RAM limits this one to 16K tokens per step)
     "rtx3090": [
         ("qwen7b-stream-rtx3090-16k", ["model=qwen7b", "engine=stream", "hardware=rtx3090", "hardware.other_card=true",

@@ -5,6 +5,7 @@
 #   bash bench/gpu_session.sh formattests capacity14; bash bench/gpu_session.sh capacity32   # issue 18, full depth
 #   bash bench/gpu_session.sh quality # issue 18: qwen0_5b in three state formats side by side, 16.06M tokens each
 #   bash bench/gpu_session.sh context modelsize   # issue 5 (qwen7b, one sequence per step), issue 7 (4 layers each)
+#   bash bench/gpu_session.sh moe; bash bench/gpu_session.sh nvme   # issue 8 (needs H200), issue 7 (qwen14b fp32)
 #   bash bench/gpu_session.sh calibrate compare3b streamtests planner17 perf17 kept17   # issue 17 (calibrate
 #   writes $OUT/h200.yaml, to be committed by hand, and the later stages of the same call plan with it)
 # Each stage's full log is kept under $OUT (gpu_tests.log; logs.tgz holds every engine job's log).
@@ -74,6 +75,16 @@ for stage in "$@"; do
              for d in /tmp/quality/*/; do cp "$d/metrics.jsonl" "$OUT/quality/$(basename "$d").metrics.jsonl"; done ;;
     context) timeout 560 python3 bench/bench_engine.py --grid context5 --out "$OUT/engine.jsonl" \
                --workdir /tmp/bench --timeout-s 200 2>&1 | tail -8 ;;
+    moe) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 240 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+           tests/test_moe_vs_hf.py tests/test_hf_moe.py > "$OUT/gpu_moe_tests.log" 2>&1; tail -6 "$OUT/gpu_moe_tests.log"
+         timeout 560 python3 bench/bench_engine.py --grid moe8 --only eager --out "$OUT/engine.jsonl" \
+           --workdir /tmp/bench --timeout-s 260 2>&1 | tail -6 ;;
+    moecompiled) timeout 560 python3 bench/bench_engine.py --grid moe8 --only compiled --out "$OUT/engine.jsonl" \
+                   --workdir /tmp/bench --timeout-s 180 2>&1 | tail -8 ;;
+    nvme) mkdir -p /tmp/nvme; timeout 120 python3 bench/bench_nvme.py --dir /tmp/nvme --out "$OUT/nvme.jsonl" 2>&1 \
+            | tail -3
+          timeout 440 python3 bench/bench_engine.py --grid nvme7 --out "$OUT/engine.jsonl" --workdir /tmp/bench \
+            --timeout-s 420 2>&1 | tail -4 ;;
     modelsize) timeout 560 python3 train.py +sweep=model_size logger=none hydra.sweep.dir=/tmp/msweep \
                  train.steps=4 > "$OUT/model_size_sweep.log" 2>&1; tail -4 "$OUT/model_size_sweep.log"
                python3 -m engine.report /tmp/msweep --x published_params --png "$OUT/model_size.png" \

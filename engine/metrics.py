@@ -446,6 +446,9 @@ class MetricsLogger:
                 f"gnorm {raw['grad_norm']:.2f} tok/s {tok_s} step {raw['step_s']:.2f}s")
         if out["mfu"] is not None:
             line += f" mfu {100 * out['mfu']:.1f}%"
+        if "balance_loss" in raw:  # MoE: the balance term and the least / most loaded expert against uniform
+            line += (f" balance {raw['balance_loss']:.3f} load {raw['expert_load_min']:.2f}"
+                     f"-{raw['expert_load_max']:.2f}")
         self._print(line)
 
     def log_val(self, step: int, val_loss: float) -> None:

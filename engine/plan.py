@@ -63,6 +63,7 @@ from typing import Dict, List, Optional, Tuple
 from engine.formats import StateFormat, all_formats
 from engine.metrics import model_flops_per_token
 from engine.model.attention import HAVE_FLASH_ATTN
+from engine.model import moe
 from engine.model.dense import resolve_mlp_chunk_tokens
 
 GIB = 2**30
@@ -160,7 +161,8 @@ def layer_activation_bytes_per_token(spec, compute_bytes: int, compiled: bool = 
     Eager saves more (1.5-1.8x; tests/test_plan.py measures it on the CPU under bf16 autocast): each RMSNorm keeps
     its fp32 output, and each of the five projections of a normed input (q, k, v, gate, up) keeps its own autocast
     copy of it; SwiGLU keeps silu(gate) as well; SDPA keeps its output and the o_proj keeps the transposed copy;
-    qk-norm keeps its fp32 upcast of q and k."""
+    qk-norm keeps its fp32 upcast of q and k. A MoE layer's MLP share is its routed block's
+    (engine/model/moe.py `activation_bytes_per_token`)."""
     a = spec.arch
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
     fp32 = 4
@@ -178,6 +180,8 @@ def layer_activation_bytes_per_token(spec, compute_bytes: int, compiled: bool = 
         qk_norm_fp32 = fp32 * (q + kv) if a.qk_norm else 0  # eager qk-norm keeps its fp32 upcast too
         attention = shared + qk_norm_fp32 + fp32 * a.hidden + compute_bytes * a.hidden * 3 + attention_copy
         mlp_part = fp32 + fp32 * a.hidden + compute_bytes * a.hidden * 2 + compute_bytes * a.intermediate * 4
+    if spec.moe:  # the routed block instead: router, gathered rows, expert intermediates, index tensors
+        mlp_part = moe.activation_bytes_per_token(a, compute_bytes, compiled)
     return attention + mlp_part if mlp else attention
 
 
@@ -646,14 +650,17 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
             placement["nvme_units"] = max(0, e.nvme_units)
             return placement
         placement["nvme_units"] = 0
-        over = rows_for(placement).total("host") - host_gib * GIB
-        for n in range(1, host_layers + 1):
-            if over <= 0:
+        best, best_host = 0, rows_for(placement).total("host")
+        for n in range(1, host_layers + 1):  # the staging buffers cost host memory too: keep the n that saves most
+            if best_host <= host_gib * GIB:
                 break
             if nvme_file_bytes([layouts[u].numel for u in range(L + 1 - n, L + 1)]) > hw.nvme_gib * GIB:
                 break
             placement["nvme_units"] = n
-            over = rows_for(placement).total("host") - host_gib * GIB
+            host = rows_for(placement).total("host")
+            if host < best_host:
+                best, best_host = n, host
+        placement["nvme_units"] = best
         return placement
 
     # the host AdamW updates fp32 state only: a low-precision format puts every unit on the GPU for its update

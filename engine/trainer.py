@@ -83,12 +83,6 @@ def layer_compute(spec: ModelSpec, cfg: DictConfig, device: torch.device) -> Lay
     """The attention backend and MLP chunk this run's layers use (a backend that cannot run is a ConfigError)."""
     t = cfg.train
     attention = resolve_attention(t.attention, device.type, spec.arch.head_dim, spec.sinks_or_window)
-    if spec.moe:
-        if t.mlp_chunk_tokens > 0:
-            raise ConfigError(f"train.mlp_chunk_tokens={t.mlp_chunk_tokens}: the routed MLP of a mixture-of-experts "
-                              f"model (model={cfg.model.name}) is not computed in token chunks yet; use 0 or -1 (auto, "
-                              "which leaves MoE layers unchunked)")
-        return LayerCompute(attention=attention, mlp_chunk_tokens=0)
     return LayerCompute(attention=attention,
                         mlp_chunk_tokens=resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, t.micro_batch_size * t.seq_len))
 

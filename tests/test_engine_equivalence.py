@@ -307,7 +307,12 @@ def test_unit_state_round_trip(engine):
     """State taken from one engine and loaded into a fresh one continues the run identically."""
     cfg, a, data = build(engine, [])
     _, b, _ = build(engine, ["seed=7"])
-    t = cfg.train
+    continues_identically(a, b, data, cfg.train)
+
+
+def continues_identically(a, b, data, t) -> None:
+    """Two steps on engine `a`, its state loaded unit by unit into `b`, then one more step on each: the same loss,
+    weights and moments. Closes both."""
     try:
         batches = [[data.batch("train", s * 3 + j, 2) for j in range(3)] for s in range(3)]
         for s in range(2):

@@ -129,6 +129,29 @@ def hf_loss(model, ids, labels, with_aux: bool):
     return loss, out.logits, None
 
 
+def both_backward(case: str, with_aux: bool):
+    """Our loss and transformers' on the same batch, both backpropagated: (spec, model, our params, ids, labels,
+    our loss, their loss, their balance term or None)."""
+    spec, model = make_spec(case), hf_model(case)
+    ids, labels = batch(case)
+    params = our_params(spec, model)
+    spec.begin_step(labels.numel())
+    loss = our_loss(spec, params, ids, labels)
+    model.zero_grad()
+    ref, _, aux = hf_loss(model, ids, labels, with_aux=with_aux)
+    loss.backward()
+    ref.backward()
+    return spec, model, params, ids, labels, loss, ref, aux
+
+
+def assert_grads_match(spec: ModelSpec, params, model) -> None:
+    hf_grads = {n: p.grad for n, p in model.named_parameters()}
+    for u, p in zip(spec.units, params):
+        for name, t in p.items():
+            torch.testing.assert_close(t.grad, hf_grads[u.layout.prefix + name], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=u.layout.prefix + name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_layout_matches_hf(case):
     spec, model = make_spec(case), hf_model(case)
@@ -157,21 +180,9 @@ def test_layout_matches_hf_published_configs(name):
 @pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
 def test_logits_and_grads_match_hf(case):
     """No balance loss (coef 0): the cross-entropy's logits and every gradient equal transformers'."""
-    spec, model = make_spec(case), hf_model(case)
-    ids, labels = batch(case)
-    params = our_params(spec, model)
-    spec.begin_step(labels.numel())
-    loss = our_loss(spec, params, ids, labels)
-    model.zero_grad()
-    ref, ref_logits, _ = hf_loss(model, ids, labels, with_aux=False)
+    spec, model, params, ids, labels, loss, ref, _ = both_backward(case, with_aux=False)
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
-    loss.backward()
-    ref.backward()
-    hf_grads = {n: p.grad for n, p in model.named_parameters()}
-    for u, p in zip(spec.units, params):
-        for name, t in p.items():
-            torch.testing.assert_close(t.grad, hf_grads[u.layout.prefix + name], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, n=u.layout.prefix + name: f"{n}: {m}")
+    assert_grads_match(spec, params, model)
     stats = spec.step_stats()
     assert stats["balance_loss"] > 0 and stats["expert_load_min"] <= 1 <= stats["expert_load_max"]
 
@@ -180,23 +191,11 @@ def test_logits_and_grads_match_hf(case):
 def test_balance_loss_matches_hf(case):
     """One layer, coef 0.25: the balance term equals transformers' load_balancing_loss_func and the gradients of
     cross-entropy + coef * term equal transformers' (the router's included)."""
-    spec, model = make_spec(case), hf_model(case)
-    ids, labels = batch(case)
-    params = our_params(spec, model)
-    spec.begin_step(labels.numel())
-    loss = our_loss(spec, params, ids, labels)
-    model.zero_grad()
-    ref, _, aux = hf_loss(model, ids, labels, with_aux=True)
-    loss.backward()
-    ref.backward()
+    spec, model, params, ids, labels, _, _, aux = both_backward(case, with_aux=True)
     torch.testing.assert_close(torch.tensor(spec.step_stats()["balance_loss"], dtype=torch.float32),
                                aux.detach().float(), rtol=1e-5, atol=1e-6)
-    hf_grads = {n: p.grad for n, p in model.named_parameters()}
+    assert_grads_match(spec, params, model)
     router = "mlp.router.weight" if case.startswith("gpt") else "mlp.gate.weight"
-    for u, p in zip(spec.units, params):
-        for name, t in p.items():
-            torch.testing.assert_close(t.grad, hf_grads[u.layout.prefix + name], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, n=u.layout.prefix + name: f"{n}: {m}")
     # the balance term did reach the router: without it the router's gradient differs
     spec.begin_step(labels.numel())
     spec.router_stats.coef = 0.0

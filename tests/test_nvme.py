@@ -23,7 +23,7 @@ from engine.streaming import nvme
 from engine.streaming.nvme import MomentFile, NvmeError
 from engine.trainer import Trainer
 from tests.test_checkpoint import RECIPE, step_losses
-from tests.test_engine_equivalence import assert_same, build, train
+from tests.test_engine_equivalence import assert_same, build, continues_identically, train
 from tests.util import make_cfg
 
 
@@ -59,22 +59,8 @@ def test_stream_with_moments_on_disk_matches_reference(direct, tmp_path):
 def test_unit_state_round_trip_through_the_file(tmp_path):
     cfg, a, data = build("stream", nvme_overrides(tmp_path, 3))
     _, b, _ = build("stream", [*nvme_overrides(tmp_path, 1), "seed=7"])
-    t = cfg.train
-    try:
-        assert a.disk_units == [1, 2, 3] and b.disk_units == [3]
-        batches = [[data.batch("train", s * 3 + j, 2) for j in range(3)] for s in range(3)]
-        for s in range(2):
-            a.train_step(batches[s], optim.lr_at(s, t))
-        for unit in range(len(a.spec.units)):
-            st = a.unit_state(unit)
-            b.load_unit_state(unit, st["master"], st["exp_avg"], st["exp_avg_sq"], st["step"])
-        ra, rb = a.train_step(batches[2], optim.lr_at(2, t)), b.train_step(batches[2], optim.lr_at(2, t))
-        assert ra["loss"] == rb["loss"]
-        assert_same(a.master_weights(), b.master_weights())
-        assert_same(a.adam_moments(), b.adam_moments())
-    finally:
-        a.close()
-        b.close()
+    assert a.disk_units == [1, 2, 3] and b.disk_units == [3]
+    continues_identically(a, b, data, cfg.train)
 
 
 def test_file_pipeline_round_trips_through_rotating_buffers(tmp_path):

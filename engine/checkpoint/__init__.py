@@ -20,7 +20,10 @@ re-exported here; file writing goes through engine/fileio.py (fsync, sha256, str
    library's pread backend; no mmap, so no page-cache pages are charged to the process) into a buffer of the
    file's dtype when the engine asks for it, and the engine casts it into its fp32 master while copying. Extra
    host memory is one tensor in the file's dtype (the largest is the embedding: 1.1 GB bf16 for Qwen2.5-7B),
-   never a second copy of the model. Adam moments start at zero.
+   never a second copy of the model. Adam moments start at zero. Mixture-of-experts checkpoints map several
+   on-disk tensors to one of ours: Qwen3-MoE's per-expert matrices are stacked, and gpt-oss's MXFP4 expert blocks
+   and scales (uint8) are decoded (engine/checkpoint/mxfp4.py); each stacked or decoded tensor is built one at a
+   time, which bounds the extra memory then.
 
 2. HF export. `export_hf(source, out_dir)` writes `model-0000k-of-0000n.safetensors` shards (default 5 GiB, keys in
    unit order so each layer's tensors are contiguous, metadata `{"format": "pt"}`, `lm_head.weight` omitted when

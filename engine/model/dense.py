@@ -76,15 +76,23 @@ class DenseArch:
     tied: bool
 
 
-def layer_specs(a: DenseArch) -> list[ParamSpec]:
+def attention_specs(a) -> list[ParamSpec]:
+    """The two norms and the q/k/v/o projections every decoder layer has (`a`: any arch with hidden, heads,
+    kv_heads and head_dim); biases and q/k norms are added by each family."""
     h, q_out, kv_out = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
-    specs = [
+    return [
         ParamSpec("input_layernorm.weight", (h,), "vector"),
         ParamSpec("self_attn.q_proj.weight", (q_out, h), "matmul"),
         ParamSpec("self_attn.k_proj.weight", (kv_out, h), "matmul"),
         ParamSpec("self_attn.v_proj.weight", (kv_out, h), "matmul"),
         ParamSpec("self_attn.o_proj.weight", (h, q_out), "matmul"),
         ParamSpec("post_attention_layernorm.weight", (h,), "vector"),
+    ]
+
+
+def layer_specs(a: DenseArch) -> list[ParamSpec]:
+    h, q_out, kv_out = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
+    specs = attention_specs(a) + [
         ParamSpec("mlp.gate_proj.weight", (a.intermediate, h), "matmul"),
         ParamSpec("mlp.up_proj.weight", (a.intermediate, h), "matmul"),
         ParamSpec("mlp.down_proj.weight", (h, a.intermediate), "matmul"),

@@ -12,7 +12,9 @@ sink logit per head and a 128-key sliding window on every other layer) followed 
   `gate_up_proj` [E, 2I, D] (gate rows first) and `down_proj` [E, D, I], applied as x @ W^T; gpt-oss's are a
   clamped SwiGLU (gate <= limit, |up| <= limit, gate * sigmoid(1.702 gate) * (up + 1)) with gate and up
   interleaved in `gate_up_proj` [E, D, 2I] and `down_proj` [E, I, D], applied as x @ W, each with a bias.
-- the k expert outputs of a token are weighted by its routing weights and summed back into the residual stream.
+- the k expert outputs of a token are weighted by its routing weights, put back in token order (a gather by the
+  inverse permutation, which keeps only the index for the backward, where index_add_ would keep its [N*k, D]
+  source), summed over the k in the residual stream's dtype and added to it.
 
 Names and shapes are those of transformers' in-memory modules (v5), so `logits` and gradients compare directly;
 engine/checkpoint/hf.py maps them to the on-disk tensors (per-expert tensors for Qwen3-MoE, MXFP4 for gpt-oss).
@@ -30,6 +32,17 @@ is also where the per-expert load is recorded for the metrics log.
 
 Costs per token and layer: the router (2*D*E FLOPs forward), k experts (2 * 3*D*I each), and the gather/scatter of
 k rows of D. `tflops` and `mfu` count the active parameters (engine/metrics.py).
+
+**Token chunks.** The routed block's backward keeps, per token, k gathered rows of D and k expert intermediates of
+3I (more in eager mode; `activation_bytes_per_token` counts them): for Qwen3-30B-A3B (k=8, D=2048, I=768) about
+105 KiB per token and layer compiled in bf16, 52 GiB at 512K tokens. With `LayerCompute.mlp_chunk_tokens = C` (as
+for the dense MLP, engine/model/dense.py) the post-attention norm, routing and experts run on C tokens at a time,
+each chunk a non-reentrant checkpoint when autograd is on: the backward keeps only the chunk inputs and rebuilds
+one chunk's routing and experts at a time, for one more forward of the block (+1/3 of its FLOPs). Routing is per
+token, so every token picks the same experts with the same weights as unchunked; the weight gradients are summed
+chunk by chunk (equal to fp32 rounding). The balance loss stays the layer's: each chunk returns its choices per
+expert and its router probabilities summed over its tokens, and the product f * P is formed once from the sums
+over all chunks, so its gradient reaches every chunk's probabilities through that chunk's recompute.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from engine.model import dense
 from engine.model.layout import ParamSpec
@@ -86,14 +100,7 @@ class MoeArch:
 def layer_specs(a: MoeArch) -> List[ParamSpec]:
     h, q_out, kv_out = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
     E, I = a.experts, a.expert_intermediate
-    specs = [
-        ParamSpec("input_layernorm.weight", (h,), "vector"),
-        ParamSpec("self_attn.q_proj.weight", (q_out, h), "matmul"),
-        ParamSpec("self_attn.k_proj.weight", (kv_out, h), "matmul"),
-        ParamSpec("self_attn.v_proj.weight", (kv_out, h), "matmul"),
-        ParamSpec("self_attn.o_proj.weight", (h, q_out), "matmul"),
-        ParamSpec("post_attention_layernorm.weight", (h,), "vector"),
-    ]
+    specs = dense.attention_specs(a)
     if a.qk_norm:
         specs += [ParamSpec("self_attn.q_norm.weight", (a.head_dim,), "vector"),
                   ParamSpec("self_attn.k_norm.weight", (a.head_dim,), "vector")]
@@ -135,14 +142,54 @@ def route(p: Params, y_ND: torch.Tensor, a: MoeArch):
     return logits, top.to(logits.dtype), chosen
 
 
-def balance_loss(logits_NE: torch.Tensor, chosen_Nk: torch.Tensor, experts: int):
-    """(E * sum_e f_e P_e, the per-expert count of choices [E] int64) for one layer's N tokens."""
-    probs = torch.softmax(logits_NE, dim=-1)
+def routing_sums(logits_NE: torch.Tensor, chosen_Nk: torch.Tensor, experts: int):
+    """(choices per expert [E] int64, router probabilities summed over the N tokens [E] fp32): what the balance
+    loss needs from a run of tokens; sums over chunks are the sums over their union."""
+    probs = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
     load = torch.zeros(experts, dtype=torch.int64, device=chosen_Nk.device)
     load.scatter_add_(0, chosen_Nk.reshape(-1), torch.ones_like(chosen_Nk.reshape(-1)))
-    n = logits_NE.shape[0]
-    f = load.float() / n
-    return experts * (f * (probs.float().sum(dim=0) / n)).sum(), load
+    return load, probs.sum(dim=0)
+
+
+def balance_loss(load_E: torch.Tensor, prob_sum_E: torch.Tensor, tokens: int) -> torch.Tensor:
+    """E * sum_e f_e P_e (fp32 scalar) for one layer's `tokens` tokens, from their `routing_sums`."""
+    f = load_E.float() / tokens
+    return load_E.numel() * (f * (prob_sum_E / tokens)).sum()
+
+
+def activation_bytes_per_token(a: MoeArch, compute_bytes: int, compiled: bool = True) -> int:
+    """Bytes per token that one layer's routed block (post-attention norm, router, experts) keeps for its backward:
+    the MoE counterpart of the dense MLP block's share in engine/plan.py `layer_activation_bytes_per_token` (the
+    block's input, the residual after attention, is counted there either way). A chunked block keeps none of it
+    beyond one chunk's, rebuilt in the backward. Not per token and not counted: the [E] group offsets (int32) of
+    an unchunked block and the balance loss's [E] expert fractions (fp32).
+
+    Eager is what saved-tensor hooks list on the CPU, under bf16 autocast and in fp32 (tests/test_moe_chunked.py).
+    Compiled is what torch.compile's min-cut partitioner keeps, counted on the CPU under bf16 autocast (inductor on
+    the GPU partitions the same way, but may choose to rematerialise differently): it recomputes the elementwise
+    work (SiLU, gpt-oss's clamps and sigmoid, the softmax over all experts) instead of keeping it."""
+    fp32, index = 4, 8
+    cb, D, E, k, I = compute_bytes, a.hidden, a.experts, a.top_k, a.expert_intermediate
+    kept = (fp32  # the norm's reciprocal
+            + cb * D  # the router's input: the normed input (under autocast, F.linear's copy of it)
+            + index * k  # the chosen experts
+            + index * k * (4 if a.gpt_oss else 3)  # per expert-sorted row: token, sort position, place back (expert)
+            + cb * k * D + cb * k)  # the gathered rows and their routing weights
+    if compiled:
+        if a.gpt_oss:
+            return kept + (cb * E + 2 * fp32 + cb * k  # router logits, two softmax statistics, top-k softmax
+                           + cb * k * 3 * I  # gate/up before the bias, the SwiGLU product
+                           + fp32 * k * D)  # the expert outputs plus their (fp32) bias
+        return kept + (fp32 * E + (fp32 * k if a.norm_topk_prob else 0)  # routing softmax, top-k probabilities
+                       + cb * k * 3 * I + cb * k * D)  # gate/up, the SwiGLU product, the expert outputs
+    kept += fp32 * D + fp32 * E  # the norm's fp32 output, the softmax of the routing sums
+    if a.gpt_oss:
+        return kept + (cb * k  # top-k softmax
+                       + fp32 * k * 6 * I  # (fp32 bias) gate/up; clamped gate, its sigmoid, their product, up + 1
+                       + cb * k * I  # the SwiGLU product's cast
+                       + fp32 * k * D)  # the expert outputs plus their bias
+    return kept + (fp32 * E + (fp32 * (k + 1) if a.norm_topk_prob else 0)  # routing softmax, renormalised top-k, sum
+                   + cb * k * 4 * I + cb * k * D)  # gate/up, SiLU's output, the SwiGLU product, the expert outputs
 
 
 def _compute_dtype(device_type: str, fallback: torch.dtype) -> torch.dtype:
@@ -182,7 +229,18 @@ def experts(p: Params, y_ND: torch.Tensor, weights_Nk: torch.Tensor, chosen_Nk: 
     if a.gpt_oss:
         out = out + p["mlp.experts.down_proj_bias"][expert_of_row]
     out = out * weights_Nk.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros(N, y_ND.shape[-1], dtype=out_dtype, device=y_ND.device).index_add_(0, token, out.to(out_dtype))
+    # back to the (token, slot) order and summed over the k slots: unlike index_add_, whose backward keeps its
+    # [N*k, D] source, a gather and a sum keep only the permutation
+    unsort = torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=order.device))
+    return out[unsort].to(out_dtype).view(N, k, -1).sum(dim=1)
+
+
+def _routed_block(p: Params, x_ND: torch.Tensor, a: MoeArch):
+    """x + experts(norm(x)) over N tokens, with their `routing_sums`: ([N, D], load [E] int64, prob_sum [E])."""
+    y_ND = dense.rms_norm(x_ND, p["post_attention_layernorm.weight"], a.eps)
+    logits, weights, chosen = route(p, y_ND, a)
+    load, prob_sum = routing_sums(logits, chosen, a.experts)
+    return x_ND + experts(p, y_ND, weights, chosen, a, x_ND.dtype), load, prob_sum
 
 
 def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: MoeArch,
@@ -190,11 +248,21 @@ def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: MoeArch,
     """(layer output [B, T, D], this layer's balance loss (fp32 scalar), per-expert load [E] int64)."""
     x_BTD = dense.attention_residual(p, x_BTD, rope, a, c, window)
     B, T, D = x_BTD.shape
-    y_ND = dense.rms_norm(x_BTD, p["post_attention_layernorm.weight"], a.eps).reshape(B * T, D)
-    logits, weights, chosen = route(p, y_ND, a)
-    aux, load = balance_loss(logits, chosen, a.experts)
-    out = experts(p, y_ND, weights, chosen, a, x_BTD.dtype)
-    return x_BTD + out.view(B, T, D), aux, load
+    x_ND = x_BTD.reshape(B * T, D)
+    chunk = c.mlp_chunk_tokens
+    if chunk <= 0 or B * T <= chunk:
+        y_ND, load, prob_sum = _routed_block(p, x_ND, a)
+    else:
+        parts = []
+        for start in range(0, B * T, chunk):
+            xs = x_ND[start:start + chunk]
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(_routed_block, p, xs, a, use_reentrant=False, preserve_rng_state=False))
+            else:
+                parts.append(_routed_block(p, xs, a))
+        outs, loads, prob_sums = zip(*parts)
+        y_ND, load, prob_sum = torch.cat(outs), torch.stack(loads).sum(0), torch.stack(prob_sums).sum(0)
+    return y_ND.view(B, T, D), balance_loss(load, prob_sum, B * T), load
 
 
 class RouterStats:
@@ -224,10 +292,10 @@ class RouterStats:
         return self.coef * share
 
     def summary(self) -> dict:
-        """`balance_loss`: the step's mean per-layer balance term (1.0 is uniform routing for Qwen3-MoE-style
-        top-k; the training loss added coef times it); `expert_load_max`/`_min`: over layers and experts, an
-        expert's share of its layer's choices relative to a uniform share (1.0 = balanced). Empty before any
-        backward of the step. Syncs the device once."""
+        """`balance_loss`: the step's mean per-layer balance term (top_k when routing is uniform, up to E when all
+        tokens choose the same experts; the training loss added coef times it); `expert_load_max`/`_min`: over
+        layers and experts, an expert's share of its layer's choices relative to a uniform share (1.0 = balanced).
+        Empty before any backward of the step. Syncs the device once."""
         if self.aux_mean is None:
             return {}
         loads = torch.stack([self.load[i] for i in sorted(self.load)]).double()
