@@ -125,6 +125,9 @@ class TrainConfig:
     master_dtype: str = "fp32"  # fp32 | bf16 (stochastic rounding)
     moments_dtype: str = "fp32"  # fp32 | bf16 (stochastic rounding) | int8 (blockwise 8-bit floats + fp32 scales)
     grad_dtype: str = "fp32"  # fp32 | bf16 (stochastic rounding): gradients held until the global norm is known
+    # fp32 | bf16: the dtype the host-updated units' gradients cross PCIe in (engine=stream, exact fp32 state only);
+    # bf16 rounds them stochastically on the GPU (seeded per run, unit and step) and halves their host buffers
+    grad_transfer_dtype: str = "fp32"
     moments_block_size: int = 256  # int8 moments: elements per scale, a power of two
     compute_dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     activation_checkpointing: bool = True  # engine=reference only: the stream engine always recomputes
@@ -427,6 +430,15 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"engine.nvme_units={e.nvme_units}: the NVMe tier holds the fp32 moments of host-updated "
                           f"units, and {formats.StateFormat.of(cfg.train).overrides()} updates every unit on the GPU; "
                           "use engine.nvme_units=-1 or 0")
+    if cfg.train.grad_transfer_dtype == "bf16":
+        fmt = formats.StateFormat.of(cfg.train)
+        why = ("engine=reference sends no gradients to the host" if e.name == "reference" else None if fmt.exact
+               else f"{fmt.overrides()} updates every unit on the GPU, so no gradient goes to the host")
+        if why:
+            raise ConfigError(f"train.grad_transfer_dtype=bf16 applies to the gradients engine=stream sends to the "
+                              f"host AdamW, which runs fp32 state only; here {why}. Valid: "
+                              "train.grad_transfer_dtype=fp32, or bf16 with engine=stream and train.master_dtype, "
+                              "train.moments_dtype and train.grad_dtype all fp32")
     if e.recompute_group == 0 or e.recompute_group < -1:
         raise ConfigError(f"engine.recompute_group={e.recompute_group} is not valid; use -1 (auto) or a number of "
                           "layers per recompute group >= 1")
@@ -593,6 +605,7 @@ def _validate_train(cfg: DictConfig) -> None:
     _choice("train.master_dtype", t.master_dtype, formats.MASTER_DTYPES)
     _choice("train.moments_dtype", t.moments_dtype, formats.MOMENTS_DTYPES)
     _choice("train.grad_dtype", t.grad_dtype, formats.GRAD_DTYPES)
+    _choice("train.grad_transfer_dtype", t.grad_transfer_dtype, ("fp32", "bf16"))
     lo, hi = formats.BLOCK_SIZE_RANGE
     if not lo <= t.moments_block_size <= hi or t.moments_block_size & (t.moments_block_size - 1):
         raise ConfigError(f"train.moments_block_size={t.moments_block_size} is not valid; use a power of two in "

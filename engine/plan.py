@@ -257,6 +257,7 @@ class _Shape:
         t = cfg.train
         self.spec = spec
         self.fmt = fmt
+        self.grad_transfer = t.grad_transfer_dtype  # the dtype host-updated units' gradients cross the link in
         self.compute_bytes = 2 if on_gpu and t.compute_dtype != "fp32" else 4
         self.mb_tokens = t.micro_batch_size * t.seq_len
         self.step_tokens = self.mb_tokens * t.grad_accum
@@ -299,6 +300,10 @@ class _Shape:
         if self.fmt.grad != "fp32":
             held += [u for u in (0, self.L + 1) if u < n_gpu_updated]
         return self.fmt.grad_bytes(sum(self.layouts[u].numel for u in held))
+
+    def transfer_bytes(self, numel: int) -> int:
+        """A host-updated unit's gradient over D2H and in host memory: fp32, or bf16 with bf16 transfer."""
+        return (2 if self.grad_transfer == "bf16" else 4) * numel
 
     def staging_bytes(self, n_res: int, n_str: int) -> int:
         """The GPU staging buffers of the streamed units' state (engine/streaming/streamed_update.py)."""
@@ -448,7 +453,7 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
             others = range(u - (u - 1) % g, u)  # the layers from the one reading the kept input up to u - 1
             layer_compute += len(others) * s.layer_fwd_flops / sp.fwd
             h2d += sum(weights_in(v) for v in others) + (layer_input_bytes / sp.h2d if activations_host else 0.0)
-        grad_out = s.fmt.grad_bytes(numel[u]) / sp.d2h if grads_host and place[u] == "host" else 0.0
+        grad_out = s.transfer_bytes(numel[u]) / sp.d2h if grads_host and place[u] == "host" else 0.0
         backward += max(layer_compute, h2d, grad_out)
         h2d_busy += h2d
         d2h_busy += grad_out
@@ -610,16 +615,27 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
         if g > 1:
             plan.add(compute_tier, f"regenerated layer inputs (one group of {g}, all micro-batches)",
                      regenerated_bytes(n_kept, g))
+        largest_host = max([lay.numel for lay in layouts[n_res + n_str:]], default=0)
         if grads_on_gpu:
             plan.add(compute_tier, f"{fmt.grad} gradients of every unit until the norm is known", grad_bytes)
             if n_host:
-                plan.add("host", "pinned gradient staging (2 x largest host-updated unit)",
-                         2 * fmt.grad_bytes(max(lay.numel for lay in layouts[n_res + n_str:])))
+                plan.add("host", f"pinned gradient staging ({s.grad_transfer}, 2 x largest host-updated unit)",
+                         2 * s.transfer_bytes(largest_host))
         else:
-            plan.add("host", f"{fmt.grad} gradients of host-updated units until the global norm is known",
-                     fmt.grad_bytes(sum(lay.numel for lay in layouts[n_res + n_str:])))
+            plan.add("host", f"{s.grad_transfer} gradients of host-updated units until the global norm is known",
+                     s.transfer_bytes(sum(lay.numel for lay in layouts[n_res + n_str:])))
             plan.add(compute_tier, f"accumulators: embedding, head, 2 layers (fp32); GPU-updated layers ({fmt.grad})",
                      side_grad_bytes + s.own_accumulator_bytes(n_res + n_str))
+        if n_host and s.grad_transfer == "bf16":
+            # the bf16 copies the D2H reads: of the accumulators that serve host-updated units (the head, the
+            # embedding when it is host-updated, the shared pair of layers when a layer is), or the fetch's pair
+            n_gpu = n_res + n_str
+            wired = 2 * largest_host if grads_on_gpu else (layouts[-1].numel + (layouts[0].numel if n_gpu == 0 else 0)
+                                                           + (min(2, L) * s.layer_numel if n_gpu <= L else 0))
+            plan.add(compute_tier, "bf16 copies of host-updated units' gradients for the D2H (stochastic rounding)",
+                     2 * wired)
+            plan.add("host", "fp32 scratch the host AdamW upcasts each bf16 gradient into (largest host-updated unit)",
+                     4 * largest_host)
         if cached:
             plan.add(compute_tier, "layer slots: one per layer (weights cached fwd -> bwd)", cache_bytes)
         else:

@@ -187,6 +187,8 @@ class Trainer:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
         self.engine = build_engine(self.spec, cfg, self.device, self.compute_dtype, self.plan)
+        for line in getattr(self.engine, "notes", ()):
+            self.log(line)
         self.start_step, self.consecutive_skips, self.resumed = 0, 0, None
         try:
             if restore is not None:

@@ -177,3 +177,28 @@ def test_nvme_units_need_a_directory_and_fp32_state():
     with pytest.raises(Exception, match="the NVMe tier holds the fp32 moments"):
         make_cfg(["engine=stream", "engine.nvme_units=2", "hardware.nvme_dir=/tmp", "train.master_dtype=bf16",
                   "train.moments_dtype=bf16"])
+
+
+def test_files_of_dead_runs_are_removed_and_logged(tmp_path):
+    """A run killed before closing leaves its file; the next run in the directory deletes files whose process is
+    gone, keeps those of live processes, and says so in its notes (the run log)."""
+    dead = subprocess_pid_that_exited()
+    stale = tmp_path / f"{nvme.FILE_PREFIX}{dead}-deadbeef.bin"
+    live = tmp_path / f"{nvme.FILE_PREFIX}{os.getppid()}-cafecafe.bin"
+    for p in (stale, live):
+        p.write_bytes(b"x" * 4096)
+    _, eng, _ = build("stream", nvme_overrides(tmp_path, 2))
+    try:
+        assert not stale.exists() and live.exists()
+        assert any(str(stale) in note for note in eng.notes)
+        assert any("NVMe tier: the Adam moments of layers 2..3" in note for note in eng.notes)
+    finally:
+        eng.close()
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)

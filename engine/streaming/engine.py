@@ -22,9 +22,9 @@ One step over M micro-batches:
    reference); the last micro-batch's accumulation also writes each tensor's sum of squares into the step's buffer
    (on the GPU from the fused kernel's registers, so no pass of its own reads the gradient again:
    engine/streaming/gradients.py), and the gradient either stays on the GPU (grads tier gpu) or goes to pinned host
-   memory on the D2H stream. Then the embedding's backward (a scatter-add, no weights). The head and the embedding
-   take their sums of squares at their last accumulation too (a tied embedding's: the lookup's last micro-batch,
-   after the head's adds).
+   memory on the D2H stream (fp32, or rounded to bf16: see below). Then the embedding's backward (a scatter-add, no
+   weights). The head and the embedding take their sums of squares at their last accumulation too (a tied
+   embedding's: the lookup's last micro-batch, after the head's adds).
 4. Optimizer. The global norm (`optim.global_norm` of the sums of squares) needs every gradient, so the host reads it
    once, after the backward (the step's single synchronisation). A non-finite norm skips the update. Otherwise each
    unit is updated in the place the plan gave it (DESIGN.md §4), in forward order: the leading `gpu_resident_units`
@@ -56,6 +56,19 @@ engine=reference keys it, so both engines round alike); the norms are of the rou
 `optim.sq_norms` in a pass of their own (2 B/element): the rounding kernel works on the flat buffer without the
 layout's tensor boundaries, and the fp32 path is the one whose speed matters.
 
+bf16 gradient transfer (`train.grad_transfer_dtype=bf16`; fp32 state, so there are host-updated units). Only the
+host-updated units' gradients cross the link, and they may cross it as bf16: each finished fp32 gradient is rounded
+stochastically on the GPU (`to_bf16_stochastic`, keyed by run seed, unit and Adam step:
+`gradients.transfer_seed`), into a bf16 copy beside its accumulator just before the D2H (grads tier host), or by
+the optimizer's fetch into one of two bf16 buffers (grads tier gpu). The host gradients and the pinned staging pair
+then hold bf16, 2 B/param instead of 4, and the D2H moves half the bytes; the host AdamW upcasts each unit's gradient
+into one fp32 scratch (the size of the largest host-updated unit) just before its update, and the clip coefficient
+scales the upcast values. The norms are still taken from the fp32 gradients on the GPU, before the rounding, so the
+clip coefficient is the fp32 run's; the rounding is unbiased, so each update is the fp32 one in expectation. Cost:
+2 B/param of HBM for the bf16 copies (the accumulators serving host-updated units, or the fetch's pair), and a
+rounding pass (read 4, write 2 B/element) per host-updated unit. GPU-updated units are untouched; a placement that
+leaves no unit to the host makes the option a no-op, which `notes` says for the run log.
+
 On a CPU-only torch every stream and event is a synchronous stand-in (engine/device.py): same code, no overlap.
 """
 
@@ -76,7 +89,7 @@ from engine.model import ModelSpec
 from engine.plan import kept_layer_inputs
 from engine.optim import FlatAdamW
 from engine.streaming.activations import ActivationStore
-from engine.streaming.gradients import GradAccumulator
+from engine.streaming.gradients import GradAccumulator, transfer_seed
 from engine.streaming.host_store import HostStore, init_master
 from engine.streaming.nvme import MomentFile, nvme_layers
 from engine.streaming.slots import Slot, WeightLoader
@@ -118,6 +131,14 @@ class StreamEngine:
         self.streamed_units = list(range(n_resident, min(n_units, n_resident + n_streamed)))
         self.host_units = list(range(n_resident + len(self.streamed_units), n_units))
         self.gpu_updated = self.resident_units | set(self.streamed_units)
+        self.seed = cfg.seed
+        # bf16 transfer (train.grad_transfer_dtype): the host-updated units' gradients cross the link as bf16
+        self.transfer_bf16 = t.grad_transfer_dtype == "bf16" and bool(self.host_units)
+        self.notes: List[str] = []  # for the run log
+        if t.grad_transfer_dtype == "bf16" and not self.host_units:
+            self.notes.append(f"train.grad_transfer_dtype=bf16 has no effect: the placement updates all {n_units} "
+                              "units on the GPU (engine.gpu_resident_units + engine.gpu_streamed_units), so no "
+                              "gradient goes to the host")
         self.fmt = StateFormat.of(t)
         if not self.fmt.exact and self.host_units:
             raise ValueError(f"{self.fmt.overrides()} is updated on the GPU only (the host AdamW runs fp32 state), "
@@ -132,12 +153,16 @@ class StreamEngine:
                                grad_staging=2 if self.grads_on_gpu and self.host_units else 0,
                                host_activation_numel=activation_numel, seed=cfg.seed,
                                host_units=self.streamed_units + self.host_units, streamed_units=self.streamed_units,
-                               fmt=self.fmt, disk_units=self.disk_units)
+                               fmt=self.fmt, disk_units=self.disk_units,
+                               grad_dtype=torch.bfloat16 if self.transfer_bf16 else torch.float32)
         layouts = self.store.layouts
         self.nvme: Optional[MomentFile] = None
         if self.disk_units:
             self.nvme = MomentFile(cfg.hardware.nvme_dir, {u: layouts[u].numel for u in self.disk_units},
                                    cfg.hardware.nvme_direct_io)
+            self.notes += [f"removed {p}, the NVMe tier file of a run that is gone" for p in self.nvme.stale_removed]
+            self.notes.append(f"NVMe tier: the Adam moments of layers {self.disk_units[0]}..{self.disk_units[-1]} "
+                              f"in {self.nvme.path} ({self.nvme.size / 2**30:.2f} GiB)")
         # each unit's state by name ("master", "m", "v"[, "m_scales", "v_scales"]): in the host store, or, for the
         # GPU-resident units, in GPU memory, initialised in fp32 there and rounded to the format
         states = [{name: self.store.state[name][u] for name in self.store.state} for u in range(n_units)]
@@ -180,8 +205,11 @@ class StreamEngine:
         self.slot_version: Dict[int, int] = {}  # id(slot) -> weights version it holds
 
         fused = cfg.engine.fused_kernels
-        self.acc: Dict[int, GradAccumulator] = {0: GradAccumulator(self.dev, layouts[0], fused),
-                                             L + 1: GradAccumulator(self.dev, layouts[-1], fused)}
+        # with bf16 transfer, the accumulators whose gradients go to the host D2H carry a bf16 wire copy; with
+        # gradients on the GPU, the optimizer's fetch rounds into a pair of bf16 buffers instead (`_optimizer_pass`)
+        wire = self.transfer_bf16 and not self.grads_on_gpu
+        self.acc: Dict[int, GradAccumulator] = {
+            u: GradAccumulator(self.dev, layouts[u], fused, wire=wire and u in self.host_units) for u in (0, L + 1)}
         # bf16 gradients (a format's train.grad_dtype): every unit's gradient is held as a stochastically rounded
         # bf16 copy until its update; the layers accumulate in fp32 in a shared pair, as with gradients on the host
         self.held: Dict[int, GradAccumulator] = {}
@@ -192,7 +220,12 @@ class StreamEngine:
         self.device_accs = {} if self.grads_on_gpu or self.held else {
             u: GradAccumulator(self.dev, layouts[u], fused) for u in sorted(self.gpu_updated) if 0 < u <= L}
         n_layer_accs = min(2, L) if shared_layer_accs else L
-        self.layer_accs = [GradAccumulator(self.dev, layer_layouts[0], fused) for _ in range(n_layer_accs)]
+        self.layer_accs = [GradAccumulator(self.dev, layer_layouts[0], fused, wire=wire and self.host_units[0] <= L)
+                           for _ in range(n_layer_accs)]
+        self.wire_pair: List[torch.Tensor] = []
+        if self.transfer_bf16 and self.grads_on_gpu:
+            largest = max(layouts[u].numel for u in self.host_units)
+            self.wire_pair = [torch.empty(largest, dtype=torch.bfloat16, device=device) for _ in range(2)]
 
         # the step's per-tensor sums of squares in canonical order, and each unit's slice of them
         n_tensors = [len(lay.specs) for lay in layouts]
@@ -331,13 +364,19 @@ class StreamEngine:
             self.gpu_grads[unit] = acc
             return
         done, landed = self.dev.event(), self.dev.event()
+        src = acc.flat if acc.wire is None else acc.to_wire(self._transfer_seed(unit))
         done.record()
         with self.dev.on(self.d2h), self.timer.busy(self.d2h, "d2h"):
             self.dev.wait_event(self.d2h, done)
-            self.store.grads[unit].copy_(acc.flat, non_blocking=True)
+            self.store.grads[unit].copy_(src, non_blocking=True)
             landed.record(self.d2h)
         acc.read_queued(self.d2h)
         self.grad_landed[unit] = landed
+
+    def _transfer_seed(self, unit: int) -> int:
+        """The key of unit's bf16 transfer rounding: the Adam step its gradient is for (read before the update, or
+        from the engine's thread after the last step's update of every unit, which the forward waited for)."""
+        return transfer_seed(self.seed, unit, int(self.opt.step_count(unit)) + 1)
 
     # ---- the step -------------------------------------------------------------------------------------------
     def _forward(self, ids: List[torch.Tensor], keep: bool) -> List[torch.Tensor]:
@@ -542,9 +581,12 @@ class StreamEngine:
 
         def fetch(k: int):
             acc = gpu_grads[units[k]]
-            buf = self.store.grad_staging[k % 2][:acc.flat.numel()]
-            with self.dev.on(self.opt_d2h):
-                buf.copy_(acc.flat, non_blocking=True)
+            n = acc.flat.numel()
+            buf = self.store.grad_staging[k % 2][:n]
+            with self.dev.on(self.opt_d2h):  # the rounding too: the step's norm read already waited for the backward
+                src = acc.flat if not self.wire_pair else to_bf16_stochastic(
+                    acc.flat, self.wire_pair[k % 2][:n], self._transfer_seed(units[k]))
+                buf.copy_(src, non_blocking=True)
                 ev = self.dev.event()
                 ev.record(self.opt_d2h)
             acc.read_queued(self.opt_d2h)
@@ -563,6 +605,8 @@ class StreamEngine:
             else:
                 grad, ev = self.store.grads[unit], grad_landed[unit]
             ev.synchronize()
+            if self.transfer_bf16:  # exact: every bf16 value is an fp32 value
+                grad = self.store.grad_upcast[:grad.numel()].copy_(grad)
             if scale:
                 grad.mul_(coef)
             if disk and disk[0] <= unit <= disk[-1]:  # consecutive layers
@@ -690,6 +734,8 @@ class StreamEngine:
                                             for t in self._state_tensors(u))
         out["device_held_grads"] = sum(h.flat.numel() * h.flat.element_size() for h in self.held.values())
         out["device_streamed_state_staging"] = self.streamed.bytes
+        wires = [*self.wire_pair, *(a.wire for a in accs if a.wire is not None)]
+        out["device_grad_transfer"] = sum(2 * w.numel() for w in wires)
         return out
 
     def close(self) -> None:

@@ -22,6 +22,14 @@ from another host thread, `claim` first waits (on the host) until the record has
 event that has not been recorded yet returns at once and would order nothing. In a normal step the record was
 issued long before (the next forward cannot start before every unit's update, which follows its fetch), so the host
 wait returns immediately; it exists so that this ordering does not rest on that argument.
+
+bf16 transfer (`train.grad_transfer_dtype=bf16`). A host-updated unit's gradient may cross the link as bf16: the
+accumulator rounds its finished fp32 sum stochastically into a bf16 `wire` copy on the GPU (`to_wire`, the
+`to_bf16_stochastic` kernel: 6 B/element of HBM traffic, to save 2 B/element of the ~50x slower PCIe), and the D2H
+copy reads the wire instead of the sum. The wire is lent with the accumulator: the next `claim` waits for the copy
+that read it, and the wire is rewritten only after that claim. Its key, `transfer_seed`, is a function of (run seed,
+unit, Adam step) like the key of the held bf16 gradients, xor-ed with a stream constant of its own so that the two
+never share a key for the same unit and step.
 """
 
 from __future__ import annotations
@@ -33,17 +41,28 @@ import torch
 
 from engine import optim
 from engine.device import Device
-from engine.kernels.grad_accum import accumulate_layout
+from engine.formats import update_seed
+from engine.kernels.grad_accum import accumulate_layout, to_bf16_stochastic
 from engine.streaming.stall_timer import StallTimer
+
+# xor-ed into an update's seed to key the rounding of its gradient's D2H copy (formats.GRAD_STREAM: the held copy's)
+TRANSFER_STREAM = 0x7866657200000000
+
+
+def transfer_seed(run_seed: int, unit: int, step: int) -> int:
+    """The key of the bf16 rounding of unit's gradient on its way to the host at Adam step `step` (1-based)."""
+    return update_seed(run_seed, unit, step) ^ TRANSFER_STREAM
 
 
 class GradAccumulator:
-    def __init__(self, dev: Device, layout, fused: bool, dtype: torch.dtype = torch.float32):
+    def __init__(self, dev: Device, layout, fused: bool, dtype: torch.dtype = torch.float32, wire: bool = False):
         """`dtype` bf16: not an accumulator but a held gradient (a stochastically rounded copy of one, written
-        by the engine), with the same lending protocol."""
+        by the engine), with the same lending protocol. `wire`: the gradient goes to the host as bf16 (a copy of
+        2 B/element beside the accumulator, written by `to_wire`)."""
         self.dev, self.layout, self.fused = dev, layout, fused
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=dev.device)
         self.views = layout.views(self.flat)
+        self.wire = torch.empty(layout.numel, dtype=torch.bfloat16, device=dev.device) if wire else None
         self.fresh = True  # next accumulation overwrites instead of adding
         self.read_done = dev.event()
         self._read_queued = threading.Event()
@@ -57,6 +76,11 @@ class GradAccumulator:
         """The reader's copy (or update) is queued on `stream` (None: the compute stream)."""
         self.read_done.record(stream)
         self._read_queued.set()
+
+    def to_wire(self, seed: int) -> torch.Tensor:
+        """The finished gradient rounded stochastically into the bf16 wire copy (on the current stream), for the
+        D2H copy to read; `seed`: `transfer_seed` of the unit and step."""
+        return to_bf16_stochastic(self.flat, self.wire, seed)
 
     def release_unread(self) -> None:
         """The reader will not read it (a skipped step): nothing to wait for."""

@@ -11,8 +11,11 @@ CPU-only torch nothing is pinned and the layout is the same.
 Bytes: the state format's bytes per parameter (engine/formats.py; fp32 master + m + v: 12) of the units whose state
 lives on the host (updated by the host AdamW or streamed to the GPU for their update), plus 4 per parameter for the
 gradients of host-updated units when the plan keeps them on the host, plus host-tier layer-input activations, plus a
-small pinned staging ring for the host-updated units' gradients kept on the GPU. `bytes_by_kind` reports exactly
-what was allocated; the layout padding (tensors aligned to 64 elements) is included.
+small pinned staging ring for the host-updated units' gradients kept on the GPU. With bf16 gradient transfer
+(`train.grad_transfer_dtype=bf16`) the host gradients and the staging ring hold bf16 (2 per parameter), and one
+unpinned fp32 scratch the size of the largest host-updated unit takes each unit's gradient upcast just before its
+AdamW. `bytes_by_kind` reports exactly what was allocated; the layout padding (tensors aligned to 64 elements) is
+included.
 """
 
 from __future__ import annotations
@@ -45,14 +48,15 @@ class HostStore:
     def __init__(self, spec: ModelSpec, pin: bool, grad_units: Sequence[int], grad_staging: int,
                  host_activation_numel: int, seed: int, host_units: Optional[Sequence[int]] = None,
                  streamed_units: Sequence[int] = (), init_threads: int = 8, fmt: Optional[StateFormat] = None,
-                 disk_units: Sequence[int] = ()):
+                 disk_units: Sequence[int] = (), grad_dtype: torch.dtype = torch.float32):
         """`host_units`: the units whose state lives here (default all); the others get empty placeholders (their
         state lives in GPU memory, owned by the engine). `grad_units`: the units whose gradients wait here for the
         global norm. `streamed_units`: units updated on the GPU from this state, whose moments (and int8 scales)
         cross the link too and are therefore pinned like the master. `fmt`: the state format (default fp32); a
         bf16 master is initialised in fp32 and rounded to nearest, as `optim.FormatAdamW.from_masters` does.
         `disk_units`: host units whose m and v live in the NVMe tier's file (engine/streaming/nvme.py): they get
-        empty placeholders here."""
+        empty placeholders here. `grad_dtype`: the dtype the host-updated units' gradients arrive in (host gradients
+        and staging); bf16 adds `grad_upcast`, the fp32 scratch their AdamW reads."""
         self.spec = spec
         self.layouts = [u.layout for u in spec.units]
         self.host_units = set(range(len(spec.units)) if host_units is None else host_units)
@@ -75,12 +79,16 @@ class HostStore:
         self.grads = None
         if grad_units:
             grad_numels = [n if i in set(grad_units) else 0 for i, n in enumerate(numels)]
-            self.grads = self._split(self._alloc("grads", sum(grad_numels)), grad_numels)
+            self.grads = self._split(self._alloc("grads", sum(grad_numels), dtype=grad_dtype), grad_numels)
             to_pin += self.grads  # one registration per unit: every copy stays inside one registered region
         to_pin += [self.state[name][u] for u in streamed_units for name in self.state if name != "master"]
         host_updated = [n for u, n in enumerate(numels) if u not in set(streamed_units)]
-        self.grad_staging = [self._alloc("grad_staging", max(host_updated)) for _ in range(grad_staging)]
+        self.grad_staging = [self._alloc("grad_staging", max(host_updated), dtype=grad_dtype)
+                             for _ in range(grad_staging)]
         to_pin += self.grad_staging
+        self.grad_upcast = None
+        if grad_dtype != torch.float32 and (grad_units or grad_staging):
+            self.grad_upcast = self._alloc("grad_upcast", max(host_updated))
         self.activations = None
         if host_activation_numel:
             self.activations = self._alloc("activations", host_activation_numel)

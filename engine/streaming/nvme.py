@@ -7,7 +7,9 @@ holds 8.
 
 Layout: unit by unit, m then v, each region padded to 4 KiB, so one unit is two sequential reads and two sequential
 writes per step. The file is preallocated (`posix_fallocate`: a full disk is refused before training starts) and
-removed at the end of the run; it is scratch, not a checkpoint (checkpoints read the moments back from it).
+removed at the end of the run; it is scratch, not a checkpoint (checkpoints read the moments back from it). A run
+killed before it could remove its file leaves it behind; the next run with the same directory deletes files whose
+process is gone (`remove_stale_files`) and says so in its log.
 
 Pipeline (the host optimizer pass, engine/streaming/engine.py): three page-aligned staging buffers, each the size of
 the largest disk unit's m + v, rotate over the disk units in update order. While unit k is updated, unit k+1 is read
@@ -44,6 +46,24 @@ STAGING_BUFFERS = 3
 
 class NvmeError(RuntimeError):
     """The NVMe tier cannot go on; the message names the file, the unit and the cause."""
+
+
+FILE_PREFIX = "streamtrain-moments-"
+
+
+def remove_stale_files(directory: str) -> List[Path]:
+    """Delete tier files left in `directory` by runs that died without closing (SIGKILL, a machine reset): those
+    whose owning process (the pid in the name) no longer exists on this machine. Returns what was removed."""
+    removed = []
+    for path in Path(directory).expanduser().glob(f"{FILE_PREFIX}*.bin"):
+        pid = path.name[len(FILE_PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            try:
+                path.unlink()
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def _padded(nbytes: int) -> int:
@@ -84,7 +104,8 @@ class MomentFile:
         directory_path = Path(directory).expanduser()
         if not directory_path.is_dir():
             raise NvmeError(f"hardware.nvme_dir={directory}: not a directory")
-        self.path = directory_path / f"streamtrain-moments-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+        self.stale_removed = remove_stale_files(directory)
+        self.path = directory_path / f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct_io else 0)
         try:
             self.fd = os.open(self.path, flags, 0o600)
