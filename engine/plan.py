@@ -174,15 +174,17 @@ def layer_activation_bytes_per_token(spec, compute_bytes: int, compiled: bool = 
         shared += compute_bytes * (q + kv) + fp32 * (a.heads + a.kv_heads)
     if compiled:
         attention = shared + compute_bytes * a.hidden
-        mlp_part = fp32 + compute_bytes * a.hidden + compute_bytes * a.intermediate * 3
     else:
         attention_copy = 0 if HAVE_FLASH_ATTN else compute_bytes * q
         qk_norm_fp32 = fp32 * (q + kv) if a.qk_norm else 0  # eager qk-norm keeps its fp32 upcast too
         attention = shared + qk_norm_fp32 + fp32 * a.hidden + compute_bytes * a.hidden * 3 + attention_copy
-        mlp_part = fp32 + fp32 * a.hidden + compute_bytes * a.hidden * 2 + compute_bytes * a.intermediate * 4
-    if spec.moe:  # the routed block instead: router, gathered rows, expert intermediates, index tensors
-        mlp_part = moe.activation_bytes_per_token(a, compute_bytes, compiled)
-    return attention + mlp_part if mlp else attention
+    if not mlp:
+        return attention
+    if spec.moe:  # the routed block: router, gathered rows, expert intermediates, index tensors
+        return attention + moe.activation_bytes_per_token(a, compute_bytes, compiled)
+    if compiled:
+        return attention + fp32 + compute_bytes * a.hidden + compute_bytes * a.intermediate * 3
+    return attention + fp32 + fp32 * a.hidden + compute_bytes * a.hidden * 2 + compute_bytes * a.intermediate * 4
 
 
 def layer_graph_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, mlp_chunk_tokens: int) -> int:

@@ -49,8 +49,7 @@ class ModelSpec:
                 head_dim=head_dim, vocab=m.vocab_size, eps=m.rms_norm_eps, tied=m.tie_word_embeddings,
                 qk_norm=m.qk_norm, attention_bias=m.attention_bias, sinks=m.model_type == "gpt_oss",
                 experts=m.num_experts, top_k=m.num_experts_per_tok, expert_intermediate=m.moe_intermediate_size,
-                norm_topk_prob=m.norm_topk_prob, router_bias=m.model_type == "gpt_oss",
-                swiglu_limit=m.swiglu_limit, aux_loss_coef=m.router_aux_loss_coef)
+                norm_topk_prob=m.norm_topk_prob, swiglu_limit=m.swiglu_limit)
             for key, value in (("hidden_size", m.hidden_size), ("moe_intermediate_size", m.moe_intermediate_size)):
                 if value % moe.GROUPED_MM_ALIGN_ELEMS:
                     raise ConfigError(f"model.{key}={value}: the experts' grouped matmul needs a multiple of "

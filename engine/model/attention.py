@@ -12,6 +12,9 @@ Backends (query head j reads kv head j // (nh / kv), the grouping of HF's repeat
   and the kernel splits the compiled graph), `auto` takes the backend measured faster where it runs. flash-attn is
   not chosen by `auto`: it does not build offline, so it was never measured here.
 
+Models with attention sinks or sliding-window layers (gpt-oss) run on `triton` only, which `auto` then picks: the
+other backends compute neither.
+
 A backend that was asked for and cannot run the shape or the device is an error (`resolve_attention`, called when
 the engine is built), never a quiet switch to another one.
 

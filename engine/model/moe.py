@@ -82,15 +82,7 @@ class MoeArch:
     top_k: int
     expert_intermediate: int
     norm_topk_prob: bool  # Qwen3-MoE
-    router_bias: bool  # gpt-oss
     swiglu_limit: Optional[float]  # gpt-oss's clamped SwiGLU; None: SwiGLU with SiLU
-    aux_loss_coef: float
-    qkv_bias: bool = False
-
-    @property
-    def intermediate(self) -> int:
-        """MLP width one token activates (k experts), for the planner's activation model."""
-        return self.top_k * self.expert_intermediate
 
     @property
     def gpt_oss(self) -> bool:
