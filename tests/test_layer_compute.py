@@ -30,6 +30,18 @@ def test_auto_picks_the_backend_measured_faster_in_the_layer():
     assert resolve_attention("sdpa", "cuda", 80) == "sdpa"
 
 
+def test_sinks_or_windows_run_on_the_triton_kernel_only(monkeypatch):
+    """gpt-oss: `auto` takes the Triton kernel; SDPA and flash-attn are refused; without CUDA (or the interpreter)
+    the refusal says why, not "use sdpa"."""
+    assert resolve_attention("auto", "cuda", 64, sinks_or_window=True) == "triton"
+    for other in ("sdpa", "flash_attn"):
+        with pytest.raises(ConfigError, match="only the Triton kernel computes; use train.attention=triton or auto"):
+            resolve_attention(other, "cuda", 64, sinks_or_window=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="it needs a CUDA device; the run is on cpu"):
+        resolve_attention("auto", "cpu", 64, sinks_or_window=True)
+
+
 @pytest.mark.parametrize("requested, device, head_dim, message", [
     ("triton", "cuda", 80, "head_dim=80 is not supported"),
     ("triton", "cpu", 128, "needs a CUDA device"),

@@ -52,6 +52,10 @@ def resolve_attention(requested: str, device_type: str, head_dim: int, sinks_or_
         if requested not in ("auto", "triton"):
             raise ConfigError(f"train.attention={requested}: this model has attention sinks or sliding-window layers, "
                               "which only the Triton kernel computes; use train.attention=triton or auto")
+        if not _triton_runs_on(device_type):
+            raise ConfigError(f"train.attention={requested}: this model has attention sinks or sliding-window layers, "
+                              f"which only the Triton kernel computes, and it needs a CUDA device; the run is on "
+                              f"{device_type} (TRITON_INTERPRET=1 runs the kernel interpreted on the CPU, slowly)")
         requested = "triton"
     if requested == "auto":
         return "sdpa"
