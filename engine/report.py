@@ -31,7 +31,7 @@ from typing import List, Optional
 
 from omegaconf import OmegaConf
 
-from engine.metrics import model_flops_per_token
+from engine.metrics import count_params, model_flops_per_token
 
 
 def _median(rows, key):
@@ -90,6 +90,10 @@ def run_row(run_dir: Path) -> dict:
     })
     for key in sorted({k for s in timed for k in s if k.endswith("_s") and k not in ("step_s",)}):
         row[f"median_{key}"] = _median(timed, key)
+    if cfg["model"].get("num_experts"):  # MoE: active parameters, and routing as the last logged step saw it
+        row["active_params"] = count_params(OmegaConf.create(cfg["model"]), active=True)
+        row.update({k: steps[-1].get(k) for k in ("balance_loss", "expert_load_max", "expert_load_min")
+                    if steps and k in steps[-1]})
     fwd, bwd = row.get("median_forward_s"), row.get("median_backward_s")
     if fwd and bwd:  # the decoder layers alone (engine=stream's phase times): comparable across depths and heads
         layer_flops = model_flops_per_token(OmegaConf.create(cfg["model"]), t["seq_len"])[
