@@ -88,6 +88,18 @@ def test_mxfp4_decode_experts_is_chunked_transposed_and_matches_transformers(mon
     assert torch.equal(mxfp4.decode_experts(blocks, scales), theirs)
 
 
+@pytest.mark.parametrize("work", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_mxfp4_decode_on_another_device_gives_the_same_bits(work, monkeypatch):
+    """The import decodes on the GPU when there is one (chunks cross PCIe, the output stays in host memory)."""
+    gen = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (2, 24, 3, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(100, 150, (2, 24, 3), dtype=torch.uint8, generator=gen)
+    monkeypatch.setattr(mxfp4, "CHUNK_VALUES", 5 * 96)
+    got = mxfp4.decode_experts(blocks, scales, torch.bfloat16, work_device=work)
+    assert got.device.type == "cpu"
+    assert torch.equal(got, reference_decode(blocks, scales).transpose(1, 2).to(torch.bfloat16))
+
+
 def test_mxfp4_refuses_a_nan_scale_and_bad_shapes():
     blocks = torch.zeros(2, 3, 16, dtype=torch.uint8)
     scales = torch.full((2, 3), 127, dtype=torch.uint8)

@@ -457,7 +457,8 @@ def _produce(ckpt: HFCheckpoint, readers: Readers, name: str) -> torch.Tensor:
     if recipe.kind == "mxfp4":
         blocks_part, scales_part = recipe.parts
         try:
-            return mxfp4.decode_experts(read(blocks_part), read(scales_part), torch.bfloat16)
+            return mxfp4.decode_experts(read(blocks_part), read(scales_part), torch.bfloat16,
+                                        "cuda" if torch.cuda.is_available() else None)
         except ValueError as e:
             raise CheckpointError(f"{ckpt.tensors[scales_part.name][0]}: tensor {scales_part.name}: {e}") from None
     k, rows = recipe.per_expert, recipe.parts[0].shape[0]
