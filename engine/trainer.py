@@ -284,7 +284,6 @@ class Trainer:
                 while step < t.steps and not signals.received:
                     lr = optim.lr_at(step, t)
                     record = self.engine.train_step(self._train_batches(step), lr)
-                    record.update(self.spec.step_stats())
                     step += 1
                     span_tokens += record["tokens"]
                     span_s += record["step_s"]
@@ -292,6 +291,7 @@ class Trainer:
                     if step % t.log_every == 0 or step == t.steps:
                         # with log_every > 1, tokens and step_s cover every step since the previous line
                         record.update(lr=lr, tokens=span_tokens, step_s=span_s, steps_in_record=span_steps)
+                        record.update(self.spec.step_stats())  # MoE routing (one small device read)
                         self.metrics.log_step(step, record)
                         span_tokens, span_s, span_steps = 0, 0.0, 0
                     self.consecutive_skips = self.consecutive_skips + 1 if record["skipped"] else 0

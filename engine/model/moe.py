@@ -198,17 +198,16 @@ def _activation(h: torch.Tensor, a: MoeArch) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_SWIGLU_ALPHA))
 
 
-def experts(p: Params, y_ND: torch.Tensor, weights_Nk: torch.Tensor, chosen_Nk: torch.Tensor, a: MoeArch,
-            out_dtype: torch.dtype) -> torch.Tensor:
-    """The weighted sum of each token's k expert outputs, [N, D] in out_dtype (the residual stream's)."""
+def experts(p: Params, y_ND: torch.Tensor, weights_Nk: torch.Tensor, chosen_Nk: torch.Tensor, load_E: torch.Tensor,
+            a: MoeArch, out_dtype: torch.dtype) -> torch.Tensor:
+    """The weighted sum of each token's k expert outputs, [N, D] in out_dtype (the residual stream's). `load_E`:
+    the choices per expert (`routing_sums`), the sizes of the grouped matmuls' groups."""
     N, k = chosen_Nk.shape
     flat = chosen_Nk.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k
     expert_of_row = flat[order]
-    counts = torch.zeros(a.experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offs = counts.cumsum(0).to(torch.int32)
+    offs = load_E.cumsum(0).to(torch.int32)
     dtype = _compute_dtype(y_ND.device.type, y_ND.dtype)
     w1, w2 = p["mlp.experts.gate_up_proj"].to(dtype), p["mlp.experts.down_proj"].to(dtype)
     if not a.gpt_oss:  # stored as [E, out, in] (x @ W^T)
@@ -232,7 +231,7 @@ def _routed_block(p: Params, x_ND: torch.Tensor, a: MoeArch):
     y_ND = dense.rms_norm(x_ND, p["post_attention_layernorm.weight"], a.eps)
     logits, weights, chosen = route(p, y_ND, a)
     load, prob_sum = routing_sums(logits, chosen, a.experts)
-    return x_ND + experts(p, y_ND, weights, chosen, a, x_ND.dtype), load, prob_sum
+    return x_ND + experts(p, y_ND, weights, chosen, load, a, x_ND.dtype), load, prob_sum
 
 
 def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: MoeArch,

@@ -701,18 +701,16 @@ class StreamEngine:
             self.format_opt.load_unit_state(index, master, exp_avg, exp_avg_sq, step, flat)
             self.version += 1
             return
-        disk = index in self.disk_units
-        for which, values in (("master", master), ("m", exp_avg), ("v", exp_avg_sq)):
-            if values is not None and not (disk and which != "master"):
-                for name, view in self._views(which, index).items():
-                    view.copy_(values[name])
-        if disk and exp_avg is not None:
-            layout = self.store.layouts[index]
-            m, v = (torch.zeros(layout.numel) for _ in range(2))
-            for flat, values in ((m, exp_avg), (v, exp_avg_sq)):
+        disk = index in self.disk_units and exp_avg is not None  # moments written through a staging buffer
+        m_flat, v_flat = self.nvme.acquire(index) if disk else (self.m[index], self.v[index])
+        layout = self.store.layouts[index]
+        for flat, values in ((self.master[index], master), (m_flat, exp_avg), (v_flat, exp_avg_sq)):
+            if values is not None:
                 for name, view in layout.views(flat).items():
                     view.copy_(values[name])
-            self.nvme.write_from(index, m, v)
+        if disk:
+            self.nvme.release(index)
+            self.nvme.drain()
         if exp_avg is not None:
             self.opt.set_step_count(index, step)
         self.version += 1  # slots hold stale weights now

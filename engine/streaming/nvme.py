@@ -220,16 +220,6 @@ class MomentFile:
         self._buffer_of.pop(unit)
         return out
 
-    def write_from(self, unit: int, m: Optional[torch.Tensor], v: Optional[torch.Tensor]) -> None:
-        """Overwrite `unit`'s m and/or v (flat, the unit's numel) on disk (between optimizer passes)."""
-        m_buf, v_buf = self.acquire(unit)
-        if m is not None:
-            m_buf.copy_(m)
-        if v is not None:
-            v_buf.copy_(v)
-        self.release(unit)
-        self.drain()
-
     def _remove(self) -> None:
         os.close(self.fd)
         self.fd = -1
