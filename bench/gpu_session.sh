@@ -79,6 +79,23 @@ for stage in "$@"; do
            tests/test_moe_vs_hf.py tests/test_hf_moe.py > "$OUT/gpu_moe_tests.log" 2>&1; tail -6 "$OUT/gpu_moe_tests.log"
          timeout 560 python3 bench/bench_engine.py --grid moe8 --only eager --out "$OUT/engine.jsonl" \
            --workdir /tmp/bench --timeout-s 260 2>&1 | tail -6 ;;
+    moetests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 120 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+                tests/test_moe_vs_hf.py tests/test_hf_moe.py > "$OUT/gpu_moe_tests.log" 2>&1
+              tail -6 "$OUT/gpu_moe_tests.log" ;;
+    moe120|moe20|moe30) job=$(case $stage in moe120) echo gptoss120b-4l;; moe20) echo gptoss20b;; *) echo qwen3-30b-a3b;; esac)
+                        timeout 300 python3 bench/bench_engine.py --grid moe8 --only "$job-stream-16k-eager" \
+                          --out "$OUT/engine.jsonl" --workdir /tmp/bench --timeout-s 280 2>&1 | tail -4 ;;
+    # issue 5: qwen7b at 512K in a process of its own session, so that it outlives this call while the machine is
+    # held by the next ones (ctx512wait); each call copies the run's log and metrics back
+    ctx512) mkdir -p /tmp/bench
+            setsid nohup python3 train.py +experiment=qwen7b_512k_h200 logger=none hydra.run.dir=/tmp/bench/ctx512k \
+              > /tmp/bench/ctx512k.log 2>&1 < /dev/null &
+            echo "started pid $!" ;;
+    ctx512wait) end=$((SECONDS + ${WAIT_S:-500}))
+                while [ $SECONDS -lt $end ] && pgrep -f "hydra.run.dir=/tmp/bench/ctx512k" > /dev/null; do sleep 5; done
+                mkdir -p "$OUT/ctx512k"; cp /tmp/bench/ctx512k.log "$OUT/ctx512k/"
+                cp /tmp/bench/ctx512k/*.json* "$OUT/ctx512k/" 2>/dev/null; tail -5 /tmp/bench/ctx512k.log
+                nvidia-smi --query-gpu=memory.used --format=csv; free -g | head -2 ;;
     moecompiled) timeout 560 python3 bench/bench_engine.py --grid moe8 --only compiled --out "$OUT/engine.jsonl" \
                    --workdir /tmp/bench --timeout-s 180 2>&1 | tail -8 ;;
     nvme) mkdir -p /tmp/nvme; timeout 120 python3 bench/bench_nvme.py --dir /tmp/nvme --out "$OUT/nvme.jsonl" 2>&1 \
