@@ -2,13 +2,14 @@
 
     python bench/bench_engine.py --grid stream7b --out bench/results/engine.jsonl
 
-Each job is `python train.py <overrides> logger=none hydra.run.dir=<workdir>/<job>`; the row is built from the
-run's summary.json and metrics.jsonl (medians over the steps after the first), so the figures are exactly what a
-user's run reports. Rows carry the GPU, torch/triton versions, git sha, date and the overrides. A job that fails
-(out of memory, a refused plan, its own time limit) still gets a row, with `error` and the tail of its log, and so
-do the job running and those not yet run when the benchmark itself is stopped (SIGTERM from an outer time limit):
-a grid never silently loses a configuration. Jobs of the same model and tokens per step get `ratio_vs_reference`
-against the reference engine's row.
+Each job is `python train.py <overrides> logger=none hydra.run.dir=<workdir>/<job>` (a job whose first override
+is `nproc=N` runs under `torchrun --standalone --nproc_per_node=N` instead: data parallel over N GPUs); the row is
+built from the run's summary.json and metrics.jsonl (medians over the steps after the first), so the figures are
+exactly what a user's run reports. Rows carry the GPU, torch/triton versions, git sha, date and the overrides. A
+job that fails (out of memory, a refused plan, its own time limit) still gets a row, with `error` and the tail of
+its log, and so do the job running and those not yet run when the benchmark itself is stopped (SIGTERM from an
+outer time limit): a grid never silently loses a configuration. Jobs of the same model and tokens per step get
+`ratio_vs_reference` against the reference engine's row.
 """
 
 from __future__ import annotations
@@ -150,6 +151,15 @@ GRIDS = {
         ("qwen14b-stream-64k-fp32-nvme", ["+experiment=qwen14b_fp32_nvme_h200", "hardware.nvme_dir=/tmp/nvme",
                                           "data=stdlib", "train.steps=3"]),
     ],
+    # issue 9: data parallel over 1, 2, 4, 8 GPUs of one host, 4 sequences of 4096 per GPU and step (weak scaling);
+    # every rank holds the whole state (engine/distributed.py), so the host RAM each rank plans with shrinks
+    "dp9": [
+        (f"qwen7b-stream-dp{n}", [f"nproc={n}", "model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
+                                   "train.micro_batch_size=2", f"train.grad_accum={2 * n}",
+                                   *([] if n <= 4 else ["train.master_dtype=bf16", "train.moments_dtype=int8",
+                                                        "train.grad_dtype=bf16"])])
+        for n in (1, 2, 4, 8)
+    ],
     # issue 3: the same model on a GPU capped at 24 GB (host RAM limits this one to 16K tokens per step)
     "rtx3090": [
         ("qwen7b-stream-rtx3090-16k", ["model=qwen7b", "engine=stream", "hardware=rtx3090", "hardware.other_card=true",
@@ -165,7 +175,13 @@ class BenchStopped(Exception):
 
 def run_job(name: str, overrides: list, workdir: Path, timeout_s: int) -> dict:
     run_dir = workdir / name
-    cmd = [sys.executable, "train.py", *overrides, "logger=none", f"hydra.run.dir={run_dir}"]
+    launch, ranks = [sys.executable, "train.py"], 1
+    if overrides and overrides[0].startswith("nproc="):
+        ranks = int(overrides[0].split("=", 1)[1])
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                  "train.py"]
+        overrides = overrides[1:]
+    cmd = [*launch, *overrides, "logger=none", f"hydra.run.dir={run_dir}"]
     start = time.perf_counter()
     with open(workdir / f"{name}.log", "w") as log:
         try:
@@ -173,7 +189,8 @@ def run_job(name: str, overrides: list, workdir: Path, timeout_s: int) -> dict:
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    row = {"bench": "engine", "job": name, "overrides": overrides, "wall_s": time.perf_counter() - start}
+    row = {"bench": "engine", "job": name, "overrides": overrides, "ranks": ranks,
+           "wall_s": time.perf_counter() - start}
     summary_path = run_dir / "summary.json"
     if rc != 0 or not summary_path.exists():
         row["error"] = f"exit {rc}"

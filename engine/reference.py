@@ -24,6 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from engine import optim
+from engine.distributed import SINGLE, DataParallel
 from engine.device import autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
 from engine.kernels.grad_accum import to_bf16_stochastic
@@ -35,8 +36,9 @@ Batch = Tuple[torch.Tensor, torch.Tensor]
 class ReferenceEngine:
     name = "reference"
 
-    def __init__(self, spec: ModelSpec, cfg, device: torch.device, compute_dtype: torch.dtype):
-        self.spec, self.t, self.device, self.compute_dtype = spec, cfg.train, device, compute_dtype
+    def __init__(self, spec: ModelSpec, cfg, device: torch.device, compute_dtype: torch.dtype,
+                 dp: DataParallel = SINGLE):
+        self.spec, self.t, self.device, self.compute_dtype, self.dp = spec, cfg.train, device, compute_dtype, dp
         self.fmt = StateFormat.of(cfg.train)
         self.params: List[Dict[str, torch.nn.Parameter]] = []
         decay, no_decay = [], []
@@ -92,7 +94,7 @@ class ReferenceEngine:
         """One optimizer step over the micro-batches. `grad_hook(unit_index, {name: grad})` (tests only) may edit
         each unit's gradient before the norm is taken."""
         t0 = time.perf_counter()
-        n_tokens = sum(labels.numel() for _, labels in batches)
+        n_tokens = sum(labels.numel() for _, labels in batches) * self.dp.world  # every rank runs the same shapes
         self.spec.begin_step(n_tokens)
         loss_total = torch.zeros((), device=self.device)
         for ids, labels in batches:
@@ -100,6 +102,12 @@ class ReferenceEngine:
             loss = self._loss_sum(ids, labels) / n_tokens
             loss.backward()
             loss_total += loss.detach()
+        if self.dp.active:  # data parallel: the gradients and the loss summed over ranks (engine/distributed.py)
+            for p in self.ordered:
+                if p.grad is None:  # a tensor this rank's micro-batches did not reach: every rank sends one
+                    p.grad = torch.zeros_like(p)
+                self.dp.all_reduce_(p.grad)
+            self.dp.all_reduce_(loss_total)
         if grad_hook is not None:
             for unit, params in zip(self.spec.units, self.params):
                 grad_hook(unit.index, {name: p.grad for name, p in params.items()})

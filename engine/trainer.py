@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from engine import checkpoint, hardware, optim
+from engine import checkpoint, distributed, hardware, optim
 from engine.checkpoint import CheckpointError
 from engine.config import ConfigError, to_plain, validate
 from engine.data import DataError, build_data
@@ -64,7 +64,8 @@ def host_mem_total_gib() -> float:
     raise RuntimeError("cannot read MemTotal from /proc/meminfo; set hardware.host_mem_gib")
 
 
-def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype, plan):
+def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype, plan,
+                 dp: distributed.DataParallel = distributed.SINGLE):
     spec.set_layer_compute(layer_compute(spec, cfg, device))
     if runs_compiled(cfg, device.type == "cuda"):
         spec.compile_templates()
@@ -73,10 +74,10 @@ def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute
     if cfg.engine.name == "reference":
         from engine.reference import ReferenceEngine
 
-        return ReferenceEngine(spec, cfg, device, compute_dtype)
+        return ReferenceEngine(spec, cfg, device, compute_dtype, dp)
     from engine.streaming import StreamEngine
 
-    return StreamEngine(spec, cfg, device, compute_dtype, plan)
+    return StreamEngine(spec, cfg, device, compute_dtype, plan, dp)
 
 
 def layer_compute(spec: ModelSpec, cfg: DictConfig, device: torch.device) -> LayerCompute:
@@ -114,14 +115,17 @@ def depth_truncated_line(d: dict) -> str:
 
 class RunLog:
     """Prints a line and appends it to `<run dir>/train.log`. Lines printed before `open` (while the run can still
-    be refused) are held and written when it opens, so a run refused before it starts writes nothing."""
+    be refused) are held and written when it opens, so a run refused before it starts writes nothing. With
+    `echo=False` (data-parallel ranks other than 0) lines go to the file only."""
 
     def __init__(self):
         self._held: list[str] = []
         self._file = None
+        self.echo = True
 
     def __call__(self, line: str) -> None:
-        print(line, flush=True)
+        if self.echo:
+            print(line, flush=True)
         if self._file is None:
             self._held.append(line)
         else:
@@ -146,6 +150,7 @@ class Trainer:
         hardware.resolve(cfg)
         validate(cfg)
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.dp = distributed.SINGLE
         t = cfg.train
         self.spec = ModelSpec(cfg.model)
         full_depth_layers = self.spec.check_expected_params()
@@ -156,16 +161,26 @@ class Trainer:
             self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, on_gpu, check=False)
             self.depth_truncated = depth_truncated(cfg, full_depth_layers, gpu_gib, host_gib, on_gpu)
             return
+        self.dp = distributed.init(cfg.hardware.device, t.grad_accum)
+        if self.dp.rank > 0:  # rank 0's run dir holds the run's files (engine/distributed.py)
+            self.log.echo = False
+        root = Path(self.dp.broadcast(str(self.run_dir)))
+        if root != self.run_dir:
+            _remove_unused_run_dir(self.run_dir)
+        if self.dp.rank > 0:
+            self.run_dir = root / f"rank{self.dp.rank}"
+        local_cfg = distributed.local_config(cfg, self.dp)  # this rank's share of the micro-batches
         self.device = resolve_device(cfg.hardware.device)
         self.compute_dtype = resolve_compute_dtype(t.compute_dtype, self.device)
         self.layer_compute = layer_compute(self.spec, cfg, self.device)  # an attention backend that cannot run
         gpu_gib = hardware.apply_gpu_cap(cfg.hardware, self.device) if self.device.type == "cuda" else 0.0
-        host_gib = cfg.hardware.host_mem_gib or host_mem_total_gib()
-        self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, self.device.type == "cuda")
-        self.depth_truncated = depth_truncated(cfg, full_depth_layers, gpu_gib, host_gib, self.device.type == "cuda")
+        host_gib = (cfg.hardware.host_mem_gib or host_mem_total_gib()) / self.dp.local_world
+        self.plan = build_plan(self.spec, local_cfg, gpu_gib, host_gib, self.device.type == "cuda")
+        self.depth_truncated = depth_truncated(local_cfg, full_depth_layers, gpu_gib, host_gib,
+                                               self.device.type == "cuda")
         with _refusals_named(f"data={cfg.data.name}" + (f" data.path={cfg.data.path}" if cfg.data.path else "")):
             self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size)
-        self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else self.run_dir / "checkpoints"
+        self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else root / "checkpoints"
         self.fingerprint = checkpoint.run_fingerprint(cfg, self.data.fingerprint)
         # everything a checkpoint can be refused for is checked before the engine allocates
         with _refusals_named(f"train.resume={t.resume}"):
@@ -178,6 +193,11 @@ class Trainer:
                 hf = checkpoint.open_hf(self.spec, hf_dir)
         self.log.open(self.run_dir)  # nothing can refuse the run from here on
         self.log(f"run dir: {self.run_dir}")
+        if self.dp.active:
+            self.log(f"data parallel: rank {self.dp.rank} of {self.dp.world}, micro-batches "
+                     f"{self.dp.micro_batches(t.grad_accum).start}..{self.dp.micro_batches(t.grad_accum).stop - 1} "
+                     f"of each step's {t.grad_accum}; every rank holds the whole training state, in "
+                     f"{host_gib:.1f} GiB of host RAM (1/{self.dp.local_world} of the host's)")
         if self.depth_truncated:
             self.log(depth_truncated_line(self.depth_truncated))
         lc = self.layer_compute
@@ -186,7 +206,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # and the host RNGs, so that their checkpointed states are reproducible too
         random.seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
-        self.engine = build_engine(self.spec, cfg, self.device, self.compute_dtype, self.plan)
+        self.engine = build_engine(self.spec, local_cfg, self.device, self.compute_dtype, self.plan, self.dp)
         for line in getattr(self.engine, "notes", ()):
             self.log(line)
         self.start_step, self.consecutive_skips, self.resumed = 0, 0, None
@@ -212,7 +232,11 @@ class Trainer:
         peak, peak_profile = hardware.peak_tflops(cfg.hardware, self.device, self.compute_dtype)
         plain["mfu_peak"] = {"tflops": peak, "profile": peak_profile}
         try:
-            self.metrics = MetricsLogger(self.run_dir, plain, cfg.model, t.seq_len, peak, cfg.logger, t.steps,
+            logger_cfg = cfg.logger
+            if self.dp.rank > 0:  # W&B and the progress display are rank 0's
+                logger_cfg = copy.deepcopy(cfg.logger)
+                logger_cfg.name, logger_cfg.progress = "none", "lines"
+            self.metrics = MetricsLogger(self.run_dir, plain, cfg.model, t.seq_len, peak, logger_cfg, t.steps,
                                          start_step=self.start_step, log=self.log)
         except BaseException:
             self.engine.close()
@@ -224,7 +248,8 @@ class Trainer:
 
     def _train_batches(self, step: int):
         t = self.cfg.train
-        return [self.data.batch("train", step * t.grad_accum + j, t.micro_batch_size) for j in range(t.grad_accum)]
+        return [self.data.batch("train", step * t.grad_accum + j, t.micro_batch_size)
+                for j in self.dp.micro_batches(t.grad_accum)]
 
     def _validate(self) -> float:
         t = self.cfg.train
@@ -251,7 +276,11 @@ class Trainer:
             "config": to_plain(self.cfg),
         }
         t0 = time.perf_counter()
-        path = checkpoint.save_training_state(self.engine, self.ckpt_root, step, state, t.keep_checkpoints)
+        path = None
+        if self.dp.rank == 0:  # the state is the same on every rank
+            path = checkpoint.save_training_state(self.engine, self.ckpt_root, step, state, t.keep_checkpoints)
+        self.dp.barrier()
+        path = Path(self.dp.broadcast(str(path)))
         self.log(f"checkpoint of step {step}: {path} ({time.perf_counter() - t0:.1f}s)")
         return path
 
@@ -281,7 +310,7 @@ class Trainer:
                     self.metrics.log_val(0, self._validate())
                 span_tokens, span_s, span_steps = 0, 0.0, 0  # steps since the last logged one
                 step = self.start_step  # optimizer steps done
-                while step < t.steps and not signals.received:
+                while step < t.steps and not self.dp.any(signals.received is not None):
                     lr = optim.lr_at(step, t)
                     record = self.engine.train_step(self._train_batches(step), lr)
                     step += 1
@@ -310,6 +339,8 @@ class Trainer:
                         break
                     if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
                         self._save(step, span_tokens)
+                if step < t.steps and stopped is None and signals.received is None:  # another rank's signal
+                    stopped = {"reason": "a signal to another data-parallel rank"}
                 if signals.received:
                     stopped = {"reason": signal.Signals(signals.received).name, "signal": int(signals.received)}
                 if stopped is not None or t.checkpoint_every:
@@ -318,7 +349,7 @@ class Trainer:
                         stopped.update(step=step, checkpoint=str(path))
                         self.log(f"stopped at step {step} ({stopped['reason']}); resume with train.resume=auto "
                                  f"hydra.run.dir={self.run_dir}")
-                if stopped is None and t.export_hf:
+                if stopped is None and t.export_hf and self.dp.rank == 0:
                     dtype = torch.bfloat16 if t.export_dtype == "bf16" else torch.float32
                     summary_extra["export_hf"] = checkpoint.export_hf(
                         checkpoint.EngineSource(self.engine, self.cfg.model.init), self.run_dir / "hf", dtype)
@@ -329,6 +360,7 @@ class Trainer:
             try:
                 summary = self.metrics.close(summary_extra)
                 self.engine.close()
+                self.dp.close()
             finally:
                 self.log(f"run dir: {self.run_dir} (metrics.jsonl, summary.json, train.log"
                          + (", checkpoints/)" if self.ckpt_root.is_dir() else ")"))

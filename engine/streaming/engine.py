@@ -82,6 +82,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from engine import optim
+from engine.distributed import SINGLE, DataParallel
 from engine.device import Device, autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
 from engine.kernels.grad_accum import to_bf16_stochastic
@@ -106,9 +107,10 @@ def _leaves(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 class StreamEngine:
     name = "stream"
 
-    def __init__(self, spec: ModelSpec, cfg, device: torch.device, compute_dtype: torch.dtype, plan):
+    def __init__(self, spec: ModelSpec, cfg, device: torch.device, compute_dtype: torch.dtype, plan,
+                 dp: DataParallel = SINGLE):
         t = cfg.train
-        self.spec, self.t, self.compute_dtype = spec, t, compute_dtype
+        self.spec, self.t, self.compute_dtype, self.dp = spec, t, compute_dtype, dp
         self.dev = Device(device)
         placement = plan.placement
         self.grads_on_gpu = placement["grads_tier"] == "gpu"
@@ -172,6 +174,8 @@ class StreamEngine:
         self.master, self.m, self.v = ([st[k] for st in states] for k in ("master", "m", "v"))
 
         self.h2d, self.d2h, self.opt_d2h = self.dev.new_stream(), self.dev.new_stream(), self.dev.new_stream()
+        # data parallel: each finished gradient is summed over ranks on this stream (engine/distributed.py)
+        self.comm = self.dev.new_stream() if dp.active else None
         self.timer = StallTimer(self.dev)
         self.streamed = StreamedUpdater(self.dev, self.h2d, self.d2h, layouts, self.streamed_units,
                                         {k: [st[k] for st in states] for k in states[0]}, self.timer)
@@ -342,11 +346,26 @@ class StreamEngine:
 
     def _sq_norms_out(self, unit: int, last: bool) -> Optional[torch.Tensor]:
         """Where an add into unit's accumulator writes its sums of squares: the last add of the step, unless the
-        norms are of the held bf16 copy (taken in `_finish_grad`)."""
-        return self.sq_slices[unit] if last and not self.held else None
+        norms are of the held bf16 copy or of the gradient summed over ranks (taken in `_finish_grad`)."""
+        return self.sq_slices[unit] if last and not self.held and not self.dp.active else None
 
     def _finish_grad(self, unit: int, grad_hook) -> None:
         acc = self.acc.pop(unit) if unit not in (0, self.spec.num_layers + 1) else self.acc[unit]
+        if not self.dp.active:
+            self._hand_off_grad(unit, acc, grad_hook)
+            return
+        # the sum over ranks and everything that reads the summed gradient, on the comm stream: the compute stream
+        # goes on with the next layer's backward meanwhile
+        ready = self.dev.event()
+        ready.record()
+        self.dev.wait_event(self.comm, ready)
+        with self.dev.on(self.comm):
+            self.dp.all_reduce_(acc.flat)
+            self._hand_off_grad(unit, acc, grad_hook)
+
+    def _hand_off_grad(self, unit: int, acc: GradAccumulator, grad_hook) -> None:
+        """Unit's finished gradient (summed over ranks) to its reader: the held bf16 copy, the GPU update, or the
+        D2H copy to the host, queued on the current stream."""
         if grad_hook is not None:
             grad_hook(unit, acc.views)
         if self.held:  # round into the unit's held bf16 copy, keyed as engine=reference keys it; free the accumulator
@@ -357,7 +376,7 @@ class StreamEngine:
             acc.hand_off()
             acc.read_queued(None)
             acc = held
-        if self.held or grad_hook is not None:  # norms of the rounded copy, or of what the hook left
+        if self.held or grad_hook is not None or self.dp.active:  # norms of the rounded copy, the hook's, the sum
             self.sq_slices[unit].copy_(optim.sq_norms(list(acc.views.values())))
         acc.hand_off()
         if self.grads_on_gpu or unit in self.gpu_updated:
@@ -502,7 +521,7 @@ class StreamEngine:
     def train_step(self, batches: Sequence[Batch], lr: float, grad_hook=None) -> dict:
         t0 = time.perf_counter()
         self.optimizer_wait_s = 0.0
-        n_tokens = sum(labels.numel() for _, labels in batches)
+        n_tokens = sum(labels.numel() for _, labels in batches) * self.dp.world  # every rank runs the same shapes
         self.spec.begin_step(n_tokens)
         ids = [i.to(self.dev.device, non_blocking=True) for i, _ in batches]
         labels = [lab.to(self.dev.device, non_blocking=True) for _, lab in batches]
@@ -522,6 +541,11 @@ class StreamEngine:
         self.activations.clear()
         self.regenerated.clear()
 
+        if self.dp.active:  # the norm reads the sums of squares the comm stream wrote
+            reduced = self.dev.event()
+            reduced.record(self.comm)
+            self.dev.wait_event(None, reduced)
+            self.dp.all_reduce_(loss_total)
         total_norm = optim.global_norm(self.sq_norms)
         norm_value = float(total_norm)  # the step's one synchronisation
         skipped = not torch.isfinite(total_norm).item()

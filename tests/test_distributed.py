@@ -1,0 +1,80 @@
+"""Data parallel (engine/distributed.py) through the real launcher: `torchrun --nproc_per_node=2 train.py` on CPU
+with gloo. Two ranks with half the micro-batches each train as one rank does (losses and final state bit for bit),
+a checkpoint of two ranks resumes on one and the other way round, and a step that does not split over the ranks is
+refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_checkpoint import RECIPE, state_tensors, step_losses, train_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(run_dir: Path, *args, ranks: int = 2, check=True, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py",
+           "logger=none", "hardware=cpu", *RECIPE, *args, f"hydra.run.dir={run_dir}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
+    if check:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def assert_same_training(a: Path, b: Path, step: int):
+    """Losses and the final state bit for bit: with one micro-batch per rank, the sum over two ranks is the one
+    addition g0 + g1 that one rank's accumulation makes (more ranks or micro-batches per rank would reorder the terms
+    and agree to rounding only)."""
+    assert step_losses(a) == step_losses(b) and step_losses(a)[0]
+    ta, tb = state_tensors(a / "checkpoints" / f"step_{step}"), state_tensors(b / "checkpoints" / f"step_{step}")
+    assert ta.keys() == tb.keys() and len(ta) > 0
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+    sa, sb = (json.loads((d / "checkpoints" / f"step_{step}" / "trainer_state.json").read_text()) for d in (a, b))
+    for key in ("step", "tokens_total", "data_position", "lr_schedule"):
+        assert sa[key] == sb[key], key
+
+
+@pytest.mark.parametrize("engine, placement", [
+    ("stream", []),  # every unit updated by the host AdamW (no GPU): gradients summed, then copied to the host
+    ("stream", ["engine.gpu_resident_units=1", "engine.gpu_streamed_units=2"]),  # the three update places
+    ("reference", [])])
+def test_two_ranks_train_as_one(engine, placement, tmp_path):
+    common = [f"engine={engine}", "train.steps=4", "train.checkpoint_every=4", *placement]
+    one, two = tmp_path / "one", tmp_path / "two"
+    train_cli(one, *common)
+    out = torchrun(two, *common)
+    assert "data parallel: rank 0 of 2, micro-batches 0..0 of each step's 2" in out.stdout
+    assert_same_training(one, two, 4)
+    # rank 1 writes its own records under rank 0's run dir, nothing else; rank 0 alone saves
+    assert (two / "rank1" / "metrics.jsonl").is_file() and not (two / "rank1" / "checkpoints").exists()
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["tokens_total"] == 4 * 2 * 2 * 24  # every rank's tokens
+
+
+@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
+def test_checkpoint_resumes_on_another_number_of_ranks(first, second, tmp_path):
+    common = ["engine=stream", "train.steps=4", "train.checkpoint_every=4"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train_cli(whole, *common)
+    launch = {1: lambda *a: train_cli(split, *a), 2: lambda *a: torchrun(split, *a)}
+    out = launch[first](*common, "train.stop_at=2")
+    assert "stopped at step 2" in out.stdout
+    out = launch[second](*common, "train.resume=auto")
+    assert f"resumed from {split / 'checkpoints' / 'step_2'} at step 2" in out.stdout
+    assert_same_training(whole, split, 4)
+
+
+def test_micro_batches_that_do_not_split_over_the_ranks_are_refused(tmp_path):
+    out = torchrun(tmp_path / "run", "train.grad_accum=3", check=False)
+    assert out.returncode != 0
+    assert "train.grad_accum=3 micro-batches per step do not split over WORLD_SIZE=2 ranks" in out.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything was written
