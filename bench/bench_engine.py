@@ -151,6 +151,14 @@ GRIDS = {
         ("qwen14b-stream-64k-fp32-nvme", ["+experiment=qwen14b_fp32_nvme_h200", "hardware.nvme_dir=/tmp/nvme",
                                           "data=stdlib", "train.steps=3"]),
     ],
+    # issue 7: the NVMe tier's cost on a model the host holds: qwen7b in fp32, the same run with the moments of 0
+    # and of 4 host-updated layers on disk (fits an H100 as well as the H200)
+    "nvme7ab": [
+        (f"qwen7b-stream-64k-nvme{n}", ["+experiment=qwen7b_stream_64k", "data=stdlib", "train.steps=6",
+                                        "hardware.nvme_dir=/tmp/nvme", "hardware.nvme_gib=60",
+                                        "hardware.nvme_gbps=2.0", f"engine.nvme_units={n}"])
+        for n in (0, 4)
+    ],
     # issue 9: data parallel over 1, 2, 4, 8 GPUs of one host, 4 sequences of 4096 per GPU and step (weak scaling);
     # every rank holds the whole state (engine/distributed.py), so the host RAM each rank plans with shrinks
     "dp9": [

@@ -102,6 +102,10 @@ for stage in "$@"; do
             | tail -3
           timeout 440 python3 bench/bench_engine.py --grid nvme7 --out "$OUT/engine.jsonl" --workdir /tmp/bench \
             --timeout-s 420 2>&1 | tail -4 ;;
+    nvmeab) mkdir -p /tmp/nvme; timeout 120 python3 bench/bench_nvme.py --dir /tmp/nvme --out "$OUT/nvme.jsonl" 2>&1 \
+              | tail -3
+            timeout 440 python3 bench/bench_engine.py --grid nvme7ab --out "$OUT/engine.jsonl" --workdir /tmp/bench \
+              --timeout-s 210 2>&1 | tail -4 ;;
     modelsize) timeout 560 python3 train.py +sweep=model_size logger=none hydra.sweep.dir=/tmp/msweep \
                  train.steps=4 > "$OUT/model_size_sweep.log" 2>&1; tail -4 "$OUT/model_size_sweep.log"
                python3 -m engine.report /tmp/msweep --x published_params --png "$OUT/model_size.png" \
