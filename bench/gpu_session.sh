@@ -79,12 +79,13 @@ for stage in "$@"; do
            tests/test_moe_vs_hf.py tests/test_hf_moe.py > "$OUT/gpu_moe_tests.log" 2>&1; tail -6 "$OUT/gpu_moe_tests.log"
          timeout 560 python3 bench/bench_engine.py --grid moe8 --only eager --out "$OUT/engine.jsonl" \
            --workdir /tmp/bench --timeout-s 260 2>&1 | tail -6 ;;
-    moetests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 120 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+    moetests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 100 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
                 tests/test_moe_vs_hf.py tests/test_hf_moe.py > "$OUT/gpu_moe_tests.log" 2>&1
               tail -6 "$OUT/gpu_moe_tests.log" ;;
     moe120|moe20|moe30) job=$(case $stage in moe120) echo gptoss120b-4l;; moe20) echo gptoss20b;; *) echo qwen3-30b-a3b;; esac)
-                        timeout 300 python3 bench/bench_engine.py --grid moe8 --only "$job-stream-16k-eager" \
-                          --out "$OUT/engine.jsonl" --workdir /tmp/bench --timeout-s 280 2>&1 | tail -4 ;;
+                        timeout $((${JOB_S:-280} + 20)) python3 bench/bench_engine.py --grid moe8 \
+                          --only "$job-stream-16k-eager" --out "$OUT/engine.jsonl" --workdir /tmp/bench \
+                          --timeout-s ${JOB_S:-280} 2>&1 | tail -4 ;;
     # issue 5: qwen7b at 512K in a process of its own session, so that it outlives this call while the machine is
     # held by the next ones (ctx512wait); each call copies the run's log and metrics back
     ctx512) mkdir -p /tmp/bench
