@@ -80,6 +80,14 @@ class DataParallel:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
     def barrier(self) -> None:
         if self.active:
             dist.barrier(group=self.control)
@@ -113,6 +121,9 @@ def init(device_name: str, grad_accum: int, timeout_min: float = 30.0) -> DataPa
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    # torchrun starts several ranks with OMP_NUM_THREADS=1 (one core for each host AdamW) and torch alone would give
+    # each rank every core (oversubscribed): each rank of this host takes its share of the cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return DataParallel(rank=rank, world=world, local_rank=local_rank, local_world=local_world, control=control)
 
 

@@ -49,7 +49,7 @@ from engine.checkpoint import CheckpointError
 from engine.config import ConfigError, to_plain, validate
 from engine.data import DataError, build_data
 from engine.device import resolve_compute_dtype, resolve_device
-from engine.metrics import MetricsLogger
+from engine.metrics import MetricsLogger, gpu_peak_mem_gib, host_peak_rss_gib
 from engine.model import ModelSpec
 from engine.model.attention import resolve_attention
 from engine.model.dense import LayerCompute, resolve_mlp_chunk_tokens
@@ -197,7 +197,8 @@ class Trainer:
             self.log(f"data parallel: rank {self.dp.rank} of {self.dp.world}, micro-batches "
                      f"{self.dp.micro_batches(t.grad_accum).start}..{self.dp.micro_batches(t.grad_accum).stop - 1} "
                      f"of each step's {t.grad_accum}; every rank holds the whole training state, in "
-                     f"{host_gib:.1f} GiB of host RAM (1/{self.dp.local_world} of the host's)")
+                     f"{host_gib:.1f} GiB of host RAM and {torch.get_num_threads()} CPU threads "
+                     f"(1/{self.dp.local_world} of the host's)")
         if self.depth_truncated:
             self.log(depth_truncated_line(self.depth_truncated))
         lc = self.layer_compute
@@ -354,6 +355,11 @@ class Trainer:
                     summary_extra["export_hf"] = checkpoint.export_hf(
                         checkpoint.EngineSource(self.engine, self.cfg.model.init), self.run_dir / "hf", dtype)
             summary_extra["skipped_steps"] = self.engine.skipped_steps
+            if self.dp.active:  # each rank's peak memory, in rank 0's summary too
+                peaks = self.dp.gather({"rank": self.dp.rank, "host_gib": host_peak_rss_gib(),
+                                        "gpu_gib": gpu_peak_mem_gib()})
+                summary_extra.update(ranks=self.dp.world, per_rank_peak_mem_gib=peaks,
+                                     peak_host_mem_gib_all_ranks=sum(p["host_gib"] for p in peaks))
             if stopped is not None:
                 summary_extra["stopped"] = stopped
         finally:

@@ -58,6 +58,8 @@ def test_two_ranks_train_as_one(engine, placement, tmp_path):
     assert (two / "rank1" / "metrics.jsonl").is_file() and not (two / "rank1" / "checkpoints").exists()
     summary = json.loads((two / "summary.json").read_text())
     assert summary["tokens_total"] == 4 * 2 * 2 * 24  # every rank's tokens
+    assert summary["ranks"] == 2 and [p["rank"] for p in summary["per_rank_peak_mem_gib"]] == [0, 1]
+    assert summary["peak_host_mem_gib_all_ranks"] > summary["peak_host_mem_gib"] > 0
 
 
 @pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
