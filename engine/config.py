@@ -142,7 +142,7 @@ class TrainConfig:
     # when a micro-batch holds more than 64K tokens), 0 off, N tokens per chunk
     mlp_chunk_tokens: int = -1
     log_every: int = 1
-    val_every: int = 25  # 0: validate only at the end
+    val_every: int = 25  # validate at step 0, every N steps and at the end; 0: at step 0 and the end; -1: never
     val_batches: int = 8
     checkpoint_every: int = 0  # save the training state every N steps and at the end; 0: only on a signal/stop
     keep_checkpoints: int = 3  # complete checkpoints kept (oldest removed after a save); 0 keeps all
@@ -588,7 +588,7 @@ def _validate_train(cfg: DictConfig) -> None:
     _positive("train.micro_batch_size", t.micro_batch_size)
     _positive("train.grad_accum", t.grad_accum)
     _positive("train.log_every", t.log_every)
-    _positive("train.val_every", t.val_every, 0)
+    _positive("train.val_every", t.val_every, -1)
     _positive("train.val_batches", t.val_batches)
     _positive("train.warmup_steps", t.warmup_steps, 0)
     _real("train.lr", t.lr, 0, low_open=True)

@@ -307,7 +307,7 @@ class Trainer:
         stopped = None
         try:
             with _StopSignals() as signals:
-                if self.start_step == 0:
+                if self.start_step == 0 and t.val_every >= 0:
                     self.metrics.log_val(0, self._validate())
                 span_tokens, span_s, span_steps = 0, 0.0, 0  # steps since the last logged one
                 step = self.start_step  # optimizer steps done
@@ -333,7 +333,7 @@ class Trainer:
                             f"and were skipped (train.max_consecutive_skips={t.max_consecutive_skips}); stopped. "
                             f"The weights are still those after step {step - n}; they are saved in {path}. Lower "
                             "train.lr or check the data before going on")
-                    if step == t.steps or (t.val_every and step % t.val_every == 0):
+                    if t.val_every >= 0 and (step == t.steps or (t.val_every and step % t.val_every == 0)):
                         self.metrics.log_val(step, self._validate())
                     if step == t.stop_at and step < t.steps:
                         stopped = {"reason": f"train.stop_at={t.stop_at}"}

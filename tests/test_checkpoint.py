@@ -90,6 +90,13 @@ def _trainer(tmp_path, *overrides):
     return Trainer(make_cfg([*RECIPE, *overrides]), tmp_path)
 
 
+def test_val_every_minus_one_never_validates(tmp_path):
+    summary = _trainer(tmp_path, "train.steps=2", "train.val_every=-1").run()
+    losses, val_losses = step_losses(tmp_path)
+    assert [s for s, _ in losses] == [1, 2] and val_losses == []
+    assert summary["initial_val_loss"] is None and summary["final_val_loss"] is None
+
+
 def test_format_keep_last_k_and_cleanup(tmp_path):
     root = tmp_path / "checkpoints"
     root.mkdir()

@@ -198,7 +198,7 @@ BAD = {
                                        "train.activation_checkpointing=false engine=stream"],
     "train.compile": ["train.compile=yes"],
     "train.log_every": ["train.log_every=0"],
-    "train.val_every": ["train.val_every=-1"],
+    "train.val_every": ["train.val_every=-2"],
     "train.val_batches": ["train.val_batches=0"],
     "train.checkpoint_every": ["train.checkpoint_every=-1"],
     "train.keep_checkpoints": ["train.keep_checkpoints=-1"],
