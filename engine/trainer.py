@@ -231,7 +231,8 @@ class Trainer:
         plain["num_params"] = self.spec.num_params()
         plain["plan_placement"] = self.plan.placement
         peak, peak_profile = hardware.peak_tflops(cfg.hardware, self.device, self.compute_dtype)
-        plain["mfu_peak"] = {"tflops": peak, "profile": peak_profile}
+        peak *= self.dp.world  # tokens/s and TFLOPS are the job's, over all ranks: so is the MFU's denominator
+        plain["mfu_peak"] = {"tflops": peak, "profile": peak_profile, "gpus": self.dp.world}
         try:
             logger_cfg = cfg.logger
             if self.dp.rank > 0:  # W&B and the progress display are rank 0's
