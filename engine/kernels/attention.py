@@ -51,6 +51,7 @@ config per kernel; fp32 inputs always use a fixed small config. A fresh machine 
 from __future__ import annotations
 
 import os
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -622,6 +623,70 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                     scale: float | None = None, q_offset: int | None = None) -> torch.Tensor:
     """Attention output [B, Hq, Tq, D]; see flash_attention_with_lse."""
     return flash_attention_with_lse(q, k, v, causal, window, sinks, scale, q_offset)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the layer's op, for torch.compile
+# ----------------------------------------------------------------------------------------------------------------
+# The layer templates call the kernel through two torch.library custom ops (causal, default scale and alignment),
+# with a fake (shape-only) implementation each and the backward registered as the forward's autograd formula.
+# torch.compile then keeps the whole layer in one graph with the kernel as an opaque node: it fuses the RoPE and
+# layout work around it and its partitioner decides what the backward saves, where `torch.compiler.disable` split
+# the layer into two graphs with eager code between them.
+
+@torch.library.custom_op("streamtrain::flash_attention_fwd", mutates_args=())
+def layer_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
+                            sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, Hq, T, D], lse [B, Hq, T] fp32) of causal attention with the default scale; see
+    flash_attention_with_lse. Differentiable in q, k, v and sinks."""
+    _check(q, k, v, sinks, window, None)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    s32 = sinks.detach().float().contiguous() if sinks is not None else None
+    return _forward(q, k, v, s32, True, window, q.shape[-1] ** -0.5, k.shape[2] - q.shape[2])
+
+
+@layer_attention_forward.register_fake
+def _(q, k, v, window, sinks):
+    B, Hq, Tq, D = q.shape
+    return q.new_empty((B, Hq, Tq, D)), q.new_empty((B, Hq, Tq), dtype=torch.float32)
+
+
+@torch.library.custom_op("streamtrain::flash_attention_bwd", mutates_args=())
+def layer_attention_backward(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, window: Optional[int],
+                             sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+    """(dq, dk, dv, dsinks fp32 [Hq], or [0] without sinks) for `layer_attention_forward`."""
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    s32 = sinks.detach().float().contiguous() if sinks is not None else None
+    dlse = dlse.float().contiguous() if dlse is not None else None
+    dq, dk, dv, dsinks = _backward(_last_dim_contiguous(dout), dlse, q, k, v, out, lse, s32, True, window,
+                                   q.shape[-1] ** -0.5, k.shape[2] - q.shape[2])
+    return dq, dk, dv, dsinks if dsinks is not None else lse.new_empty((0,))
+
+
+@layer_attention_backward.register_fake
+def _(dout, dlse, q, k, v, out, lse, window, sinks):
+    n_sinks = q.shape[1] if sinks is not None else 0
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), lse.new_empty((n_sinks,))
+
+
+def _layer_attention_setup(ctx, inputs, output):
+    q, k, v, window, sinks = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
+    ctx.window = window
+
+
+def _layer_attention_grad(ctx, dout, dlse):
+    q, k, v, out, lse, sinks = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dsinks = layer_attention_backward(dout, dlse, q, k, v, out, lse, ctx.window, sinks)
+    return dq, dk, dv, None, dsinks.to(sinks.dtype) if sinks is not None else None
+
+
+layer_attention_forward.register_autograd(_layer_attention_grad, setup_context=_layer_attention_setup)
 
 
 def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor):

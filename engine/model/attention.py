@@ -8,9 +8,10 @@ Backends (query head j reads kv head j // (nh / kv), the grouping of HF's repeat
 - `auto`: `sdpa`. Measured on an H100 (2026-12-05): alone, the Triton kernel's fwd+bwd is 1.04x SDPA's flash
   backend at 8K tokens and 1.20-1.22x from 32K to 512K (bench/bench_attention.py, contiguous [B, H, T, D] inputs);
   inside the compiled qwen7b layer at 32K tokens the engine ran 5,366 tok/s with it against 6,283 with SDPA (backward
-  4.26 s against 3.46 s; bench grid context5). Until that gap is understood (the layer's q/k/v are strided views,
-  and the kernel splits the compiled graph), `auto` takes the backend measured faster where it runs. flash-attn is
-  not chosen by `auto`: it does not build offline, so it was never measured here.
+  4.26 s against 3.46 s; bench grid context5). The kernel then split the compiled layer into two graphs (see
+  below); it no longer does, but that has not been measured on a GPU yet, so `auto` stays with the backend measured
+  faster where it runs. flash-attn is not chosen by `auto`: it does not build offline, so it was never measured
+  here.
 
 Models with attention sinks or sliding-window layers (gpt-oss) run on `triton` only, which `auto` then picks: the
 other backends compute neither.
@@ -18,8 +19,10 @@ other backends compute neither.
 A backend that was asked for and cannot run the shape or the device is an error (`resolve_attention`, called when
 the engine is built), never a quiet switch to another one.
 
-The Triton kernel runs outside torch.compile's graph (`torch.compiler.disable`): the compiled layer is split into
-the part before attention and the part after it, each still fused.
+The Triton kernel is a torch.library custom op (`layer_attention_forward`, engine/kernels/attention.py): the
+compiled layer stays one graph with the kernel as an opaque node. Until commit b966e86 it ran outside the graph,
+under `torch.compiler.disable`, which split the layer in two with eager code between the halves: one suspect for
+the in-layer gap above.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ATTENTION_BACKENDS, ConfigError
-from engine.kernels.attention import HEAD_DIMS
+from engine.kernels.attention import HEAD_DIMS, layer_attention_forward
 
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
@@ -82,14 +85,6 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
-@torch.compiler.disable
-def _triton_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, window: Optional[int],
-                      sinks: Optional[torch.Tensor]) -> torch.Tensor:
-    from engine.kernels.attention import flash_attention
-
-    return flash_attention(q_BHTD, k_BHTD, v_BHTD, causal=True, window=window, sinks=sinks)
-
-
 def causal_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
                      backend: str = "sdpa", window: Optional[int] = None,
                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -103,7 +98,7 @@ def causal_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.T
         raise ValueError(f"causal_attention: backend {backend!r} computes neither sliding windows nor sinks; "
                          "use triton")
     if backend == "triton":
-        out = _triton_attention(q, k, v, window, sinks)
+        out = layer_attention_forward(q, k, v, window, sinks)[0]
     elif backend == "flash_attn":
         from flash_attn import flash_attn_func
 

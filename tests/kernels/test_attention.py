@@ -226,6 +226,33 @@ def test_merge_reference_matches_reference_split():
     assert _err(o, ro) <= 1e-12 and _err(lse, rl) <= 1e-12
 
 
+@pytest.mark.parametrize("window, sinks", [(None, False), (7, True)])
+def test_layer_op_compiles_into_one_graph(window, sinks):
+    """The layer's custom op: torch.compile traces the attention call with fullgraph=True (no graph break), and
+    outputs and all four gradients equal the eager op's bit for bit (the same kernel runs); opcheck validates its
+    fake implementation and autograd registration. Layer-shaped inputs: strided [B, H, T, D] views, GQA 2:1."""
+    from engine.model.attention import causal_attention
+
+    torch.manual_seed(0)
+    B, Hq, Hkv, T, D = 1, 4, 2, 37, 16
+    q, k, v = (torch.randn(B, T, h, D).transpose(1, 2).requires_grad_() for h in (Hq, Hkv, Hkv))
+    s = torch.randn(Hq).requires_grad_() if sinks else None
+    inputs = [t for t in (q, k, v, s) if t is not None]
+
+    def attend(q, k, v, s):
+        return causal_attention(q, k, v, backend="triton", window=window, sinks=s)
+
+    eager = attend(q, k, v, s)
+    dout = torch.randn_like(eager)
+    grads = torch.autograd.grad(eager, inputs, dout)
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v, s)
+    assert torch.equal(compiled, eager)
+    for got, want in zip(torch.autograd.grad(compiled, inputs, dout), grads):
+        assert torch.equal(got, want)
+    torch.library.opcheck(A.layer_attention_forward, (q, k, v, window, s),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # GPU: real shapes, the same 2x rule against SDPA's flash backend
 # ----------------------------------------------------------------------------------------------------------------
