@@ -135,8 +135,10 @@ GRIDS = {
          ["model=qwen7b", "engine=stream", *THROUGHPUT, f"train.seq_len={T}", "model.max_position_embeddings=524288",
           "train.micro_batch_size=1", "train.grad_accum=1", f"train.steps={steps}", *extra])
         # 128K: the fp32 plan's host total is 123.8 of 125 GiB at the default budget; 118 leaves room for its error
-        for T, steps, suffix, extra in [(32768, 4, "", []), (131072, 3, "", ["hardware.host_mem_gib=118"]),
-                                        (32768, 4, "-sdpa", ["train.attention=sdpa"]), (8192, 5, "", [])]
+        for T, steps, suffix, extra in [(32768, 4, "-triton", ["train.attention=triton"]),
+                                        (131072, 3, "-triton", ["train.attention=triton", "hardware.host_mem_gib=118"]),
+                                        (32768, 4, "-sdpa", ["train.attention=sdpa"]),
+                                        (8192, 5, "-triton", ["train.attention=triton"])]
     ],
     # issue 8: MoE through the streaming engine (conf/experiment): gpt-oss-120b at its width (4 of 36 layers),
     # gpt-oss-20b and Qwen3-30B-A3B at full depth; eager first (the compiled MoE layer is unmeasured on a GPU)

@@ -79,6 +79,8 @@ for stage in "$@"; do
            tests/test_moe_vs_hf.py tests/test_hf_moe.py > "$OUT/gpu_moe_tests.log" 2>&1; tail -6 "$OUT/gpu_moe_tests.log"
          timeout 560 python3 bench/bench_engine.py --grid moe8 --only eager --out "$OUT/engine.jsonl" \
            --workdir /tmp/bench --timeout-s 260 2>&1 | tail -6 ;;
+    attnab) timeout 360 python3 bench/bench_engine.py --grid context5 --only ctx32k --out "$OUT/engine.jsonl" \
+              --workdir /tmp/bench --timeout-s 170 2>&1 | tail -5 ;;  # issue 5: Triton vs SDPA in the compiled layer
     moetests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 100 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
                 tests/test_moe_vs_hf.py tests/test_hf_moe.py > "$OUT/gpu_moe_tests.log" 2>&1
               tail -6 "$OUT/gpu_moe_tests.log" ;;
