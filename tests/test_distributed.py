@@ -46,6 +46,8 @@ def assert_same_training(a: Path, b: Path, step: int):
 @pytest.mark.parametrize("engine, placement", [
     ("stream", []),  # every unit updated by the host AdamW (no GPU): gradients summed, then copied to the host
     ("stream", ["engine.gpu_resident_units=1", "engine.gpu_streamed_units=2"]),  # the three update places
+    # low-precision state: the summed gradient is rounded into the held bf16 copy, the same bits on every rank
+    ("stream", ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=bf16"]),
     ("reference", [])])
 def test_two_ranks_train_as_one(engine, placement, tmp_path):
     common = [f"engine={engine}", "train.steps=4", "train.checkpoint_every=4", *placement]
