@@ -6,6 +6,11 @@
 #   bash bench/gpu_session.sh quality # issue 18: qwen0_5b in three state formats side by side, 16.06M tokens each
 #   bash bench/gpu_session.sh context modelsize   # issue 5 (qwen7b, one sequence per step), issue 7 (4 layers each)
 #   bash bench/gpu_session.sh moe; bash bench/gpu_session.sh nvme   # issue 8 (needs H200), issue 7 (qwen14b fp32)
+#   JOB_S=210 bash bench/gpu_session.sh moetests moe20 moe120 moe30   # issue 8 one job a stage (moe120, moe30: H200)
+#   bash bench/gpu_session.sh nvmeab   # issue 7: qwen7b fp32 with the moments of 0 and 4 layers on disk (H100 too)
+#   bash bench/gpu_session.sh attnab   # issue 5: Triton vs SDPA in the compiled qwen7b layer at 32K
+#   bash bench/gpu_session.sh ctx512; WAIT_S=560 bash bench/gpu_session.sh ctx512wait   # issue 5: qwen7b at 512K
+#     (H200), in its own process session: call ctx512wait again in back-to-back calls until the run ends
 #   bash bench/gpu_session.sh calibrate compare3b streamtests planner17 perf17 kept17   # issue 17 (calibrate
 #   writes $OUT/h200.yaml, to be committed by hand, and the later stages of the same call plan with it)
 # Each stage's full log is kept under $OUT (gpu_tests.log; logs.tgz holds every engine job's log).
