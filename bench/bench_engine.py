@@ -211,14 +211,20 @@ def run_job(name: str, overrides: list, workdir: Path, timeout_s: int) -> dict:
 
 
 def add_ratios(rows: list, peer_rows: list = ()) -> None:
-    """`ratio_vs_reference` against the reference engine's row of the same model, tokens per step and hardware, and
+    """`ratio_vs_reference` against the reference engine's row of the same model, tokens per step and hardware;
+    `scaling_vs_linear` of a data-parallel row against N times the one-rank row with its tokens per rank; and
     `ratio_vs_<system>` against each peer row (bench/peers/) of the same model and tokens per step; every row
     compared comes from the same call."""
     ref = {(r["model"], r["tokens_per_step"], r["hardware"]): r for r in rows
            if r.get("engine") == "reference" and r.get("tokens_per_s")}
+    one_rank = {(r["model"], r["tokens_per_step"] // r.get("ranks", 1)): r for r in rows
+                if r.get("ranks", 1) == 1 and r.get("tokens_per_s")}
     for r in rows:
         if not r.get("tokens_per_s"):
             continue
+        single = one_rank.get((r.get("model"), r.get("tokens_per_step", 0) // r.get("ranks", 1)))
+        if r.get("ranks", 1) > 1 and single is not None:  # weak scaling: the same tokens per rank and step
+            r["scaling_vs_linear"] = r["tokens_per_s"] / (r["ranks"] * single["tokens_per_s"])
         base = ref.get((r.get("model"), r.get("tokens_per_step"), r.get("hardware")))
         if base is not None and r is not base:
             r["ratio_vs_reference"] = r["tokens_per_s"] / base["tokens_per_s"]

@@ -87,6 +87,8 @@ def run_row(run_dir: Path) -> dict:
         "plan_gpu_gib": (summary.get("memory_plan_allocated_gib") or {}).get("gpu"),
         "plan_gpu_budget_gib": (summary.get("memory_plan_gib") or {}).get("gpu"),
         "plan_host_gib": (summary.get("memory_plan_gib") or {}).get("host"),
+        # data parallel: the job's ranks, and the host memory of all of them (host_mem_gib is rank 0's)
+        "ranks": summary.get("ranks", 1), "host_mem_gib_all_ranks": summary.get("peak_host_mem_gib_all_ranks"),
     })
     for key in sorted({k for s in timed for k in s if k.endswith("_s") and k not in ("step_s",)}):
         row[f"median_{key}"] = _median(timed, key)

@@ -29,3 +29,11 @@ def test_ratios_against_the_reference_and_the_peers_of_the_same_shape():
     assert rows[3]["ratio_vs_fsdp2_cpu_offload"] is None
     assert rows[3]["ratio_vs_fsdp2_cpu_offload_why"] == "host OOM"
     assert set(rows[4]) == {"job", "error"}
+
+
+def test_data_parallel_rows_scale_against_the_one_rank_row_of_the_same_tokens_per_rank():
+    rows = [_row("stream", "qwen7b", 16384, 9000.0), {**_row("stream", "qwen7b", 32768, 17100.0), "ranks": 2},
+            {**_row("stream", "qwen7b", 65536, 30000.0), "ranks": 2}]  # 32K per rank: no one-rank row to scale
+    bench_engine.add_ratios(rows)
+    assert rows[1]["scaling_vs_linear"] == 0.95
+    assert "scaling_vs_linear" not in rows[0] and "scaling_vs_linear" not in rows[2]
