@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.test_checkpoint import RECIPE, state_tensors, step_losses, train_cli
+from tests.test_engine_equivalence import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,7 +49,9 @@ def assert_same_training(a: Path, b: Path, step: int):
     ("stream", ["engine.gpu_resident_units=1", "engine.gpu_streamed_units=2"]),  # the three update places
     # low-precision state: the summed gradient is rounded into the held bf16 copy, the same bits on every rank
     ("stream", ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=bf16"]),
-    ("reference", [])])
+    # MoE with its balance loss: each micro-batch's term is scaled by the step's tokens over all ranks
+    ("stream", ["model.num_hidden_layers=2", *FAMILIES["qwen3_moe"]]),
+    ("reference", [])], ids=["stream-host", "stream-three-places", "stream-formats", "stream-moe", "reference"])
 def test_two_ranks_train_as_one(engine, placement, tmp_path):
     common = [f"engine={engine}", "train.steps=4", "train.checkpoint_every=4", *placement]
     one, two = tmp_path / "one", tmp_path / "two"
