@@ -2,8 +2,8 @@
 
 Launch with torchrun (`torchrun --nproc_per_node=2 train.py ...`): it sets RANK / WORLD_SIZE / LOCAL_RANK and the
 rendezvous; without it (WORLD_SIZE unset or 1) nothing here communicates. NCCL carries the gradients on GPUs, gloo
-on CPUs; a second gloo group carries the host-side control (stop flags, the run dir), so that a control message never
-needs a device synchronisation.
+on CPUs; a second gloo group carries the host-side control (stop flags, the run dir), so that a control message
+never needs a device synchronisation.
 
 Semantics. `train.grad_accum` stays the number of micro-batches per optimizer step over all ranks, so the tokens per
 step, the data order and the checkpoints do not depend on the number of ranks: micro-batch j of step s is batch
@@ -18,12 +18,13 @@ reduction on the same stream, and the compute stream waits for that stream once,
 of squares come from the reduced gradient (the accumulation kernel's in-register norms would be the local ones).
 
 State. Every rank updates every unit with the same reduced gradient, the same clip coefficient and the same seeds,
-so the weights stay identical on all ranks without a broadcast. The ranks of one host share its RAM, so each rank
-plans with 1 / LOCAL_WORLD_SIZE of the host budget (`hardware.host_mem_gib`, or the machine's total). Rank 0 alone writes the run's files (log, metrics,
-checkpoints, W&B); the other ranks write their own metrics under `<run dir>/rank<r>/` and read checkpoints from rank
-0's directory, so a checkpoint saved by W ranks resumes on any number of ranks. Not yet built (issue 9): sharding the
-host state across ranks (each rank holds and updates 1/W of it, then the updated bf16 shards are all-gathered); until
-then W ranks on one host hold W copies of the state.
+so the weights stay identical on all ranks without a broadcast. The ranks of one host share its RAM and cores, so
+each rank plans with 1 / LOCAL_WORLD_SIZE of the host budget (`hardware.host_mem_gib`, or the machine's total) and
+takes that share of the cores. Rank 0 alone writes the run's files (log, metrics, checkpoints, W&B); the other
+ranks write their own metrics under `<run dir>/rank<r>/` and read checkpoints from rank 0's directory, so a
+checkpoint saved by W ranks resumes on any number of ranks. Not yet built (issue 9): sharding the host state across
+ranks (each rank holds and updates 1/W of it, the fresh weights reach the others); until then W ranks on one host
+hold W copies of the state.
 """
 
 from __future__ import annotations
