@@ -33,10 +33,11 @@ import copy
 import datetime as dt
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from engine.config import ConfigError
 
@@ -64,6 +65,16 @@ class DataParallel:
         if self.active:
             dist.all_reduce(tensor)
         return tensor
+
+    def all_reduce_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum each of `tensors` over ranks in place with one collective: flattened into one buffer (a copy of
+        their size), reduced, copied back."""
+        if not self.active or not tensors:
+            return
+        flat = _flatten_dense_tensors(tensors)
+        dist.all_reduce(flat)
+        for t, summed in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            t.copy_(summed)
 
     def any(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on any (host-side, over the control group)."""

@@ -103,10 +103,11 @@ class ReferenceEngine:
             loss.backward()
             loss_total += loss.detach()
         if self.dp.active:  # data parallel: the gradients and the loss summed over ranks (engine/distributed.py)
-            for p in self.ordered:
-                if p.grad is None:  # a tensor this rank's micro-batches did not reach: every rank sends one
-                    p.grad = torch.zeros_like(p)
-                self.dp.all_reduce_(p.grad)
+            for params in self.params:  # one collective per unit
+                for p in params.values():
+                    if p.grad is None:  # a tensor this rank's micro-batches did not reach: every rank sends one
+                        p.grad = torch.zeros_like(p)
+                self.dp.all_reduce_tensors_([p.grad for p in params.values()])
             self.dp.all_reduce_(loss_total)
         if grad_hook is not None:
             for unit, params in zip(self.spec.units, self.params):
