@@ -237,6 +237,9 @@ class EngineConfig:
     # stream: the Adam moments of the last N host-updated units live in the NVMe tier's file (hardware.nvme_dir);
     # -1: as few as the host memory plan needs (none without hardware.nvme_dir)
     nvme_units: int = -1
+    # stream, several ranks (torchrun): each rank holds and updates the host state of its own units only, and
+    # broadcasts their weights to the others (engine/distributed.py); false: every rank holds all of it
+    shard_state: bool = True
 
 
 @dataclass

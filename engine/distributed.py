@@ -1,4 +1,4 @@
-"""Data parallel over torch.distributed (issue 9), first step: every rank holds the whole training state.
+"""Data parallel over torch.distributed (issue 9): the host-resident training state sharded over the ranks.
 
 Launch with torchrun (`torchrun --nproc_per_node=2 train.py ...`): it sets RANK / WORLD_SIZE / LOCAL_RANK and the
 rendezvous; without it (WORLD_SIZE unset or 1) nothing here communicates. NCCL carries the gradients on GPUs, gloo
@@ -17,14 +17,28 @@ sums of squares for the norm, the D2H copy to the host, the bf16 rounding of hel
 reduction on the same stream, and the compute stream waits for that stream once, before the global norm. The sums
 of squares come from the reduced gradient (the accumulation kernel's in-register norms would be the local ones).
 
-State. Every rank updates every unit with the same reduced gradient, the same clip coefficient and the same seeds,
-so the weights stay identical on all ranks without a broadcast. The ranks of one host share its RAM and cores, so
-each rank plans with 1 / LOCAL_WORLD_SIZE of the host budget (`hardware.host_mem_gib`, or the machine's total) and
-takes that share of the cores. Rank 0 alone writes the run's files (log, metrics, checkpoints, W&B); the other
-ranks write their own metrics under `<run dir>/rank<r>/` and read checkpoints from rank 0's directory, so a
-checkpoint saved by W ranks resumes on any number of ranks. Not yet built (issue 9): sharding the host state across
-ranks (each rank holds and updates 1/W of it, the fresh weights reach the others); until then W ranks on one host
-hold W copies of the state.
+State (engine.shard_state, on by default). The units whose state lives in host RAM (GPU-streamed and host-updated,
+DESIGN.md §4) are dealt out to the ranks whole, `owners` balancing their parameter counts; each rank's host holds
+the master and moments of its own units only, so W ranks hold one copy of the model between them. A unit's gradient
+is summed onto its owner (a reduce, on the comm stream, as soon as its backward ends); the owner alone takes its norm,
+copies it home and updates it. When the next forward (or backward) loads the unit, the owner fills its slot as one
+rank would (H2D, or its GPU-streamed update) and broadcasts the slot to the others, on the comm stream: the weights
+cross NVLink once per use instead of every rank's PCIe. GPU-resident units (state in HBM) stay replicated: all-reduced
+and updated on every rank. The clip norm is one all-reduce of the step's per-tensor sums of squares, each entry
+written by one rank (the owner, or rank 0 for a replicated unit), so it is exact. Why whole units rather than 1/W of
+every unit (a reduce-scatter and all-gather per layer): the same bytes cross NVLink either way, and a whole unit
+keeps everything per-unit as it is on one rank (tensor views for the norm and the per-tensor AdamW, int8 moment
+blocks, the NVMe tier's per-layer records, the checkpoint's unit files); the price is that one rank's PCIe carries a
+unit at a time, which the look-ahead window (`engine.slots`) spreads over the ranks. Loads must be issued in the
+same order on every rank, so a look-ahead load that would wait for a host update is taken or deferred by all ranks
+together (`all_true` over the control group, only while a load is pending). With `engine.shard_state=false` every
+rank holds and updates every unit (all-reduced gradients, no broadcast), W copies of the state.
+
+The ranks of one host share its RAM and cores, so each rank plans with 1 / LOCAL_WORLD_SIZE of the host budget
+(`hardware.host_mem_gib`, or the machine's total) and takes that share of the cores. Rank 0 writes the run's files
+(log, metrics, W&B); the other ranks write their own metrics under `<run dir>/rank<r>/`. A checkpoint is one
+directory in rank 0's run dir: each rank writes its own units' files into it, rank 0 the manifest last, so a
+checkpoint saved by W ranks resumes on any number of ranks (a rank reads only the unit files it owns).
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ import copy
 import datetime as dt
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Dict, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,6 +90,22 @@ class DataParallel:
         for t, summed in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
             t.copy_(summed)
 
+    def reduce_(self, tensor: torch.Tensor, dst: int) -> torch.Tensor:
+        """Sum `tensor` over ranks into rank `dst`'s copy (the others' copies are scratch afterwards)."""
+        if self.active:
+            dist.reduce(tensor, dst)
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank `src`'s `tensor` into every rank's, in place."""
+        if self.active:
+            dist.broadcast(tensor, src)
+        return tensor
+
+    def all_true(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on all (host-side, over the control group)."""
+        return not self.any(not flag)
+
     def any(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on any (host-side, over the control group)."""
         if not self.active:
@@ -112,6 +142,24 @@ class DataParallel:
 SINGLE = DataParallel()
 
 
+def owners(numels: Dict[int, int], world: int) -> Dict[int, int]:
+    """Unit -> the rank that holds and updates its state: the largest units first, each to the rank with the fewest
+    parameters so far (the lowest rank on a tie), so every rank's share is within one unit of 1 / world."""
+    load = [0] * world
+    out = {}
+    for unit in sorted(numels, key=lambda u: (-numels[u], u)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        out[unit] = rank
+        load[rank] += numels[unit]
+    return out
+
+
+def state_owners(spec, placement: dict, world: int) -> Dict[int, int]:
+    """The owners (`owners`) of the units whose state lives in host RAM: all but the leading GPU-resident ones."""
+    first = placement.get("gpu_resident_units", 0)
+    return owners({u.index: u.layout.numel for u in spec.units[first:]}, world)
+
+
 def init(device_name: str, grad_accum: int, timeout_min: float = 30.0) -> DataParallel:
     """Join the torchrun job this process belongs to (a single-process DataParallel without one). Checks that the
     micro-batches split evenly over the ranks before any group is formed; on CUDA each rank takes GPU LOCAL_RANK."""
@@ -140,10 +188,15 @@ def init(device_name: str, grad_accum: int, timeout_min: float = 30.0) -> DataPa
 
 
 def local_config(cfg, dp: DataParallel):
-    """The config one rank's engine and planner see: its share of the micro-batches per step."""
+    """The config one rank's engine and planner see: its share of the micro-batches per step, and, with sharded
+    state, a ring of at least world + 1 layer slots: a unit is loaded over its owner's PCIe link only, so the
+    look-ahead window must hold one unit per rank for every rank's link to carry a load at once (with the default
+    2 slots one load is in flight at a time and the H2D time would not shrink with the ranks)."""
     if not dp.active:
         return cfg
     local = copy.deepcopy(cfg)
     local.train.grad_accum = cfg.train.grad_accum // dp.world
+    if cfg.engine.name == "stream" and cfg.engine.shard_state:
+        local.engine.slots = max(cfg.engine.slots, dp.world + 1)
     return local
 

@@ -77,11 +77,18 @@ class FlatAdamW:
     counter; a step skipped by the NaN guard is skipped for all units, so the counters stay equal.
     """
 
-    def __init__(self, layouts, masters, ms, vs, t):
+    def __init__(self, layouts, masters, ms, vs, t, units: Optional[Sequence[int]] = None):
+        """`units`: the units this optimizer updates (default all); the others' buffers are not read (a sharded
+        rank's placeholders: engine/distributed.py)."""
         self.layouts = layouts
-        self.opts: List[torch.optim.AdamW] = []
+        self.opts: List[Optional[torch.optim.AdamW]] = []
         self.params: List[List[torch.nn.Parameter]] = []
-        for layout, master, m, v in zip(layouts, masters, ms, vs):
+        mine = set(range(len(layouts)) if units is None else units)
+        for index, (layout, master, m, v) in enumerate(zip(layouts, masters, ms, vs)):
+            if index not in mine:
+                self.opts.append(None)
+                self.params.append([])
+                continue
             pv, mv, vv = layout.views(master), layout.views(m), layout.views(v)
             decay, no_decay, ordered = [], [], []
             for spec in layout.specs:

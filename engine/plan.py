@@ -60,6 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from engine.distributed import owners
 from engine.formats import StateFormat, all_formats
 from engine.metrics import model_flops_per_token
 from engine.model.attention import HAVE_FLASH_ATTN
@@ -218,10 +219,13 @@ def loss_activation_bytes(spec, tokens: int, compute_bytes: int, fused: bool) ->
     return chunk * a.vocab * (2 + 4 + 4)  # bf16 logits, fp32 upcast, its gradient
 
 
-def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: bool = True) -> MemoryPlan:
+def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: bool = True,
+               state_ranks: int = 1) -> MemoryPlan:
+    """`state_ranks`: the data-parallel ranks the stream engine's host state is sharded over (engine/distributed.py);
+    the host rows are those of the rank holding the most."""
     fmt = StateFormat.of(cfg.train)
     plan = _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt) if cfg.engine.name == "reference" else \
-        _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt)
+        _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt, state_ranks)
     if plan.problem():
         plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, on_gpu, fmt)
     if check and plan.problem():
@@ -547,7 +551,7 @@ def choose_split(s: _Shape, sp: Speeds, candidates: List[Tuple[dict, float]]) ->
     return chosen[3], chosen[4]
 
 
-def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPlan:
+def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks: int = 1) -> MemoryPlan:
     e, hw = cfg.engine, cfg.hardware
     s = _Shape(spec, cfg, on_gpu, fmt)
     sp = Speeds(hw, runs_compiled(cfg, on_gpu))
@@ -595,10 +599,12 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
         n_host = len(layouts) - n_res - n_str
         grads_on_gpu = placement["grads_tier"] == "gpu"
         cached = placement["cache_weights"] == "on"
-        disk = disk_units(placement)
-        plan.add("host", f"{state_name}: {n_str} GPU-streamed + {n_host} host-updated units"
+        held = held_units(n_res)
+        disk = [u for u in disk_units(placement) if u in held]
+        shard = f", this rank's {len(held)} of them" if state_ranks > 1 else ""
+        plan.add("host", f"{state_name}: {n_str} GPU-streamed + {n_host} host-updated units{shard}"
                  + (f" ({len(disk)} of them master only)" if disk else ""),
-                 sum(state_bytes[n_res:]) - sum(moment_bytes[u] for u in disk))
+                 sum(state_bytes[u] for u in held) - sum(moment_bytes[u] for u in disk))
         if disk:
             plan.add("nvme", f"Adam m + v of the last {len(disk)} host-updated layers (a file in hardware.nvme_dir)",
                      nvme_file_bytes([layouts[u].numel for u in disk]))
@@ -625,7 +631,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
                          2 * s.transfer_bytes(largest_host))
         else:
             plan.add("host", f"{s.grad_transfer} gradients of host-updated units until the global norm is known",
-                     s.transfer_bytes(sum(lay.numel for lay in layouts[n_res + n_str:])))
+                     s.transfer_bytes(sum(layouts[u].numel for u in held if u >= n_res + n_str)))
             plan.add(compute_tier, f"accumulators: embedding, head, 2 layers (fp32); GPU-updated layers ({fmt.grad})",
                      side_grad_bytes + s.own_accumulator_bytes(n_res + n_str))
         if n_host and s.grad_transfer == "bf16":
@@ -652,6 +658,14 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> MemoryPla
 
     n_units = len(layouts)
     moment_bytes = [fmt.state_bytes(lay.numel) - fmt.master_bytes(lay.numel) for lay in layouts]
+
+    def held_units(n_res: int) -> set:
+        """The host-state units of the rank that holds the most of them (all of them on one rank)."""
+        if state_ranks <= 1:
+            return set(range(n_res, n_units))
+        owner = owners({u: layouts[u].numel for u in range(n_res, n_units)}, state_ranks)
+        per_rank = [{u for u, r in owner.items() if r == rank} for rank in range(state_ranks)]
+        return max(per_rank, key=lambda units: sum(state_bytes[u] for u in units))
     nvme_on = bool(hw.nvme_dir) and hw.nvme_gib > 0 and fmt.exact
 
     def disk_units(placement: Dict[str, object]) -> List[int]:

@@ -175,7 +175,11 @@ class Trainer:
         self.layer_compute = layer_compute(self.spec, cfg, self.device)  # an attention backend that cannot run
         gpu_gib = hardware.apply_gpu_cap(cfg.hardware, self.device) if self.device.type == "cuda" else 0.0
         host_gib = (cfg.hardware.host_mem_gib or host_mem_total_gib()) / self.dp.local_world
-        self.plan = build_plan(self.spec, local_cfg, gpu_gib, host_gib, self.device.type == "cuda")
+        sharded = self.dp.active and cfg.engine.name == "stream" and cfg.engine.shard_state
+        self.plan = build_plan(self.spec, local_cfg, gpu_gib, host_gib, self.device.type == "cuda",
+                               state_ranks=self.dp.world if sharded else 1)
+        # the units whose state this rank holds (engine/distributed.py): it verifies and loads their files only
+        owner = distributed.state_owners(self.spec, self.plan.placement, self.dp.world) if sharded else {}
         self.depth_truncated = depth_truncated(local_cfg, full_depth_layers, gpu_gib, host_gib,
                                                self.device.type == "cuda")
         with _refusals_named(f"data={cfg.data.name}" + (f" data.path={cfg.data.path}" if cfg.data.path else "")):
@@ -185,7 +189,9 @@ class Trainer:
         # everything a checkpoint can be refused for is checked before the engine allocates
         with _refusals_named(f"train.resume={t.resume}"):
             resume_from = checkpoint.find_resume(t.resume, self.ckpt_root, log=self.log)
-            restore = checkpoint.open_training_state(resume_from, self.spec, self.fingerprint) if resume_from else None
+            restore = checkpoint.open_training_state(
+                resume_from, self.spec, self.fingerprint,
+                verify_unit=lambda u: owner.get(u, self.dp.rank) == self.dp.rank) if resume_from else None
         hf = None
         hf_dir = checkpoint.hf_dir_of(cfg.model.init)
         if restore is None and hf_dir is not None:
@@ -194,11 +200,17 @@ class Trainer:
         self.log.open(self.run_dir)  # nothing can refuse the run from here on
         self.log(f"run dir: {self.run_dir}")
         if self.dp.active:
+            mine = [u for u in sorted(owner) if owner[u] == self.dp.rank]
+            held = f"this rank holds the host state of units {mine}" if sharded else \
+                "every rank holds the whole training state"
             self.log(f"data parallel: rank {self.dp.rank} of {self.dp.world}, micro-batches "
                      f"{self.dp.micro_batches(t.grad_accum).start}..{self.dp.micro_batches(t.grad_accum).stop - 1} "
-                     f"of each step's {t.grad_accum}; every rank holds the whole training state, in "
-                     f"{host_gib:.1f} GiB of host RAM and {torch.get_num_threads()} CPU threads "
-                     f"(1/{self.dp.local_world} of the host's)")
+                     f"of each step's {t.grad_accum}; {held}, in {host_gib:.1f} GiB of host RAM and "
+                     f"{torch.get_num_threads()} CPU threads (1/{self.dp.local_world} of the host's)")
+        if local_cfg.engine.slots != cfg.engine.slots:
+            self.log(f"engine.slots={cfg.engine.slots} raised to {local_cfg.engine.slots}: with the state sharded "
+                     f"over {self.dp.world} ranks, each rank's link loads its own units, and the ring holds one "
+                     "look-ahead unit per rank so that all links load at once")
         if self.depth_truncated:
             self.log(depth_truncated_line(self.depth_truncated))
         lc = self.layer_compute
@@ -278,11 +290,7 @@ class Trainer:
             "config": to_plain(self.cfg),
         }
         t0 = time.perf_counter()
-        path = None
-        if self.dp.rank == 0:  # the state is the same on every rank
-            path = checkpoint.save_training_state(self.engine, self.ckpt_root, step, state, t.keep_checkpoints)
-        self.dp.barrier()
-        path = Path(self.dp.broadcast(str(path)))
+        path = checkpoint.save_training_state(self.engine, self.ckpt_root, step, state, t.keep_checkpoints, self.dp)
         self.log(f"checkpoint of step {step}: {path} ({time.perf_counter() - t0:.1f}s)")
         return path
 
@@ -351,10 +359,17 @@ class Trainer:
                         stopped.update(step=step, checkpoint=str(path))
                         self.log(f"stopped at step {step} ({stopped['reason']}); resume with train.resume=auto "
                                  f"hydra.run.dir={self.run_dir}")
-                if stopped is None and t.export_hf and self.dp.rank == 0:
-                    dtype = torch.bfloat16 if t.export_dtype == "bf16" else torch.float32
-                    summary_extra["export_hf"] = checkpoint.export_hf(
-                        checkpoint.EngineSource(self.engine, self.cfg.model.init), self.run_dir / "hf", dtype)
+                if stopped is None and t.export_hf:
+                    sharded = bool(getattr(self.engine, "owner", None))  # no rank holds every unit: export the
+                    path = self._save(step, span_tokens) if sharded else None  # final checkpoint
+                    if self.dp.rank == 0:
+                        dtype = torch.bfloat16 if t.export_dtype == "bf16" else torch.float32
+                        source = checkpoint.CheckpointSource(path) if sharded else \
+                            checkpoint.EngineSource(self.engine, self.cfg.model.init)
+                        try:
+                            summary_extra["export_hf"] = checkpoint.export_hf(source, self.run_dir / "hf", dtype)
+                        finally:
+                            source.close()
             summary_extra["skipped_steps"] = self.engine.skipped_steps
             if self.dp.active:  # each rank's peak memory, in rank 0's summary too
                 peaks = self.dp.gather({"rank": self.dp.rank, "host_gib": host_peak_rss_gib(),

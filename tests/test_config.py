@@ -255,6 +255,7 @@ BAD = {
     "engine.recompute_group": ["engine.recompute_group=0", "engine.recompute_group=-2",
                                 "engine.recompute_group=99", "engine.recompute_group=two"],
     "engine.fused_kernels": ["engine.fused_kernels=maybe"],
+    "engine.shard_state": ["engine.shard_state=maybe"],
     "seed": ["seed=-1", "seed=abc", f"seed={2**63}"],
     "plan": ["plan=maybe"],
 }

@@ -1,7 +1,8 @@
 """Data parallel (engine/distributed.py) through the real launcher: `torchrun --nproc_per_node=2 train.py` on CPU
 with gloo. Two ranks with half the micro-batches each train as one rank does (losses and final state bit for bit),
-a checkpoint of two ranks resumes on one and the other way round, and a step that does not split over the ranks is
-refused."""
+with the host state sharded over the ranks (the default) or replicated; each rank holds only its own units' state; a
+checkpoint of two ranks resumes on one and the other way round, the HF export of a sharded run is one rank's, and a
+step that does not split over the ranks is refused."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import checkpoint
+from engine.checkpoint import SafetensorsFile
 from tests.test_checkpoint import RECIPE, state_tensors, step_losses, train_cli
 from tests.test_engine_equivalence import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun(run_dir: Path, *args, ranks: int = 2, check=True, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py",
+def torchrun(run_dir: Path, *args, ranks: int = 2, check=True, timeout=300, script: str = "train.py"):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", script,
            "logger=none", "hardware=cpu", *RECIPE, *args, f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
@@ -48,10 +51,14 @@ def assert_same_training(a: Path, b: Path, step: int):
     ("stream", []),  # every unit updated by the host AdamW (no GPU): gradients summed, then copied to the host
     ("stream", ["engine.gpu_resident_units=1", "engine.gpu_streamed_units=2"]),  # the three update places
     # low-precision state: the summed gradient is rounded into the held bf16 copy, the same bits on every rank
-    ("stream", ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=bf16"]),
+    # (and a slot per layer: the look-ahead holds one unit per rank)
+    ("stream", ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=bf16",
+                "engine.cache_weights=on"]),
     # MoE with its balance loss: each micro-batch's term is scaled by the step's tokens over all ranks
     ("stream", ["model.num_hidden_layers=2", *FAMILIES["qwen3_moe"]]),
-    ("reference", [])], ids=["stream-host", "stream-three-places", "stream-formats", "stream-moe", "reference"])
+    ("stream", ["engine.shard_state=false"]),  # every rank holds and updates every unit
+    ("reference", [])],
+    ids=["stream-host", "stream-three-places", "stream-formats", "stream-moe", "stream-replicated", "reference"])
 def test_two_ranks_train_as_one(engine, placement, tmp_path):
     common = [f"engine={engine}", "train.steps=4", "train.checkpoint_every=4", *placement]
     one, two = tmp_path / "one", tmp_path / "two"
@@ -59,7 +66,7 @@ def test_two_ranks_train_as_one(engine, placement, tmp_path):
     out = torchrun(two, *common)
     assert "data parallel: rank 0 of 2, micro-batches 0..0 of each step's 2" in out.stdout
     assert_same_training(one, two, 4)
-    # rank 1 writes its own records under rank 0's run dir, nothing else; rank 0 alone saves
+    # rank 1 writes its own records under rank 0's run dir, and its units' files into rank 0's checkpoints
     assert (two / "rank1" / "metrics.jsonl").is_file() and not (two / "rank1" / "checkpoints").exists()
     summary = json.loads((two / "summary.json").read_text())
     assert summary["tokens_total"] == 4 * 2 * 2 * 24  # every rank's tokens
@@ -85,3 +92,60 @@ def test_micro_batches_that_do_not_split_over_the_ranks_are_refused(tmp_path):
     assert out.returncode != 0
     assert "train.grad_accum=3 micro-batches per step do not split over WORLD_SIZE=2 ranks" in out.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def _held_units(log: str) -> list:
+    line = next(ln for ln in log.splitlines() if "this rank holds the host state of units" in ln)
+    return json.loads(line.split("units ")[1].split("]")[0] + "]")
+
+
+def test_sharded_state_is_split_over_the_ranks_and_exports_as_one(tmp_path):
+    """Each rank holds the host state of its own units only (together: one rank's bytes, each unit once), and
+    `train.export_hf` of the sharded run writes what one rank's run writes."""
+    common = ["engine=stream", "train.steps=2", "train.export_hf=true"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    train_cli(one, *common)
+    out = torchrun(two, *common)
+    assert "engine.slots=2 raised to 3: with the state sharded over 2 ranks" in out.stdout
+    held = [_held_units(out.stdout), _held_units((two / "rank1" / "train.log").read_text())]
+    assert sorted(held[0] + held[1]) == list(range(5)) and held[0] and held[1]  # embedding, 3 layers, head
+    summaries = [json.loads(p.read_text()) for p in (one / "summary.json", two / "summary.json",
+                                                     two / "rank1" / "summary.json")]
+    whole, *ranks = [s["memory_bytes"] for s in summaries]
+    for kind in ("host_master", "host_adam_m", "host_adam_v", "host_grads"):
+        assert 0 < ranks[0][kind] < whole[kind] and ranks[0][kind] + ranks[1][kind] == whole[kind], kind
+    a, b = (SafetensorsFile(d / "hf" / "model-00001-of-00001.safetensors") for d in (one, two))
+    with a, b:
+        assert sorted(a.keys()) == sorted(b.keys()) and len(a.keys()) > 0
+        for k in a.keys():
+            assert torch.equal(a.get(k), b.get(k)), k
+
+
+FAILING_SAVE = """
+import os, runpy, sys
+sys.path.insert(0, {root!r})
+import engine.checkpoint.state as c
+_write = c.write_safetensors
+def failing_write(path, *args, **kwargs):
+    if os.environ["RANK"] == "1" and path.parent.name == "step_4.tmp":
+        raise OSError(28, "No space left on device (injected)")
+    return _write(path, *args, **kwargs)
+c.write_safetensors = failing_write
+os.chdir({root!r})
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+    """Rank 1 cannot write its unit files of step 4: both ranks stop with the error named (no rank waits forever for
+    the other), the partial step_4.tmp is removed and step 2's checkpoint stays complete."""
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(FAILING_SAVE.format(root=str(ROOT)))
+    run = tmp_path / "run"
+    out = torchrun(run, "engine=stream", "train.steps=4", "train.checkpoint_every=2", script=str(launcher),
+                   check=False)
+    assert out.returncode != 0
+    assert "saving the checkpoint failed: rank 1: OSError: [Errno 28] No space left on device (injected)" in out.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
+    assert checkpoint.list_checkpoints(run / "checkpoints")[0] == [(2, run / "checkpoints" / "step_2")]

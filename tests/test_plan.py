@@ -173,3 +173,25 @@ def test_an_eager_run_plans_fewer_kept_graphs_than_a_compiled_one():
         cfg = make_cfg(over + [f"train.compile={mode}"])
         kept[mode] = build_plan(spec, cfg, 139.0, 125.0, on_gpu=True).placement["keep_activation_layers"]
     assert kept["off"] < kept["on"]
+
+
+def test_sharded_state_plans_the_fullest_ranks_share_of_the_host_state():
+    """qwen32b over 8 ranks of an 8-card host (engine/distributed.py): each rank plans in 1/8 of the host with the
+    host-state units of the rank that holds the most, whole units balanced by size: within a layer of 1/8."""
+    from engine.distributed import state_owners
+
+    cfg = make_cfg(["model=qwen32b", "engine=stream", "hardware=h100x8", "train.seq_len=4096",
+                    "train.micro_batch_size=1", "train.grad_accum=1", "engine.gpu_resident_units=0",
+                    "engine.gpu_streamed_units=0", "plan=true"])
+    spec = ModelSpec(cfg.model)
+    assert cfg.hardware.host_mem_gib == 557.0 and cfg.hardware.h2d_gbps > 0  # the H100's figures, the host's RAM
+    whole, shard = (build_plan(spec, cfg, gpu_gib=78.5, host_gib=557.0 / 8, on_gpu=True, check=False, state_ranks=n)
+                    for n in (1, 8))
+    state_row = lambda plan: next(b for tier, item, b in plan.rows if tier == "host" and "Adam m + v" in item)  # noqa
+    owner = state_owners(spec, shard.placement, 8)
+    fullest = max(sum(spec.units[u].layout.numel for u in owner if owner[u] == r) for r in range(8))
+    assert state_row(shard) == 12 * fullest  # fp32 master + m + v of the fullest rank's units
+    layer = spec.units[1].layout.numel
+    assert state_row(whole) / 8 <= state_row(shard) <= state_row(whole) / 8 + 12 * layer
+    assert "this rank's" in next(item for tier, item, b in shard.rows if "Adam m + v" in item)
+    assert whole.problem() and not shard.problem()  # 391 GB of fp32 state does not fit 70 GiB; its eighth does

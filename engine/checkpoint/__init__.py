@@ -31,9 +31,9 @@ re-exported here; file writing goes through engine/fileio.py (fsync, sha256, str
    model_type, every architecture field, `torch_dtype` and `dtype`, old-style `rope_theta`/`rope_scaling`, which
    every transformers version reads) and `generation_config.json` when bos/eos are known; tokenizer files of the
    `hf:` directory the run started from are copied along. A source is an engine (`EngineSource`, used by
-   `train.export_hf=true` at the end of training into `<run dir>/hf`) or a training checkpoint
-   (`python -m engine.checkpoint export <run dir | step dir> <out dir> [--dtype bf16|fp32] [--shard-gib 5]`, which
-   reads the master weights only). Tensors are converted one at a time while the shard is written: peak extra
+   `train.export_hf=true` at the end of training into `<run dir>/hf`) or a training checkpoint (`CheckpointSource`:
+   `python -m engine.checkpoint export <run dir | step dir> <out dir> [--dtype bf16|fp32] [--shard-gib 5]`, and
+   `train.export_hf=true` when the state is sharded over data-parallel ranks), which reads the master weights only. Tensors are converted one at a time while the shard is written: peak extra
    memory is one tensor. Files are written under temporary names in `<out dir>.tmp/` and moved into place at the
    end, the index and config last; an `<out dir>` that exists as a file is refused before anything is written.
 
@@ -84,11 +84,12 @@ from engine.checkpoint.common import CheckpointError
 from engine.checkpoint.hf import (EngineSource, check_hf_config, export_hf, hf_config_dict, hf_dir_of, import_hf,
                                   open_hf)
 from engine.checkpoint.safetensors_io import LazyTensors, SafetensorsFile, write_safetensors
-from engine.checkpoint.state import (find_resume, list_checkpoints, load_training_state, open_training_state,
-                                     rng_state, run_fingerprint, save_training_state, set_rng_state)
+from engine.checkpoint.state import (CheckpointSource, find_resume, list_checkpoints, load_training_state,
+                                     open_training_state, rng_state, run_fingerprint, save_training_state,
+                                     set_rng_state)
 from engine.fileio import sha256_file
 
-__all__ = ["CheckpointError", "EngineSource", "LazyTensors", "SafetensorsFile", "check_hf_config", "export_hf",
+__all__ = ["CheckpointError", "CheckpointSource", "EngineSource", "LazyTensors", "SafetensorsFile", "check_hf_config", "export_hf",
            "find_resume", "hf_config_dict", "hf_dir_of", "import_hf", "list_checkpoints", "load_training_state",
            "open_hf", "open_training_state", "rng_state", "run_fingerprint", "save_training_state", "set_rng_state",
            "sha256_file", "write_safetensors"]

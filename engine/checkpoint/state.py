@@ -29,6 +29,7 @@ from engine.checkpoint.common import CheckpointError, read_json
 from engine.checkpoint.hf import head_dim_of, norm_rope_scaling, plain, same_value
 from engine.checkpoint.safetensors_io import LazyTensors, Readers, SafetensorsFile, WriteItem, write_safetensors
 from engine.config import ConfigError
+from engine.distributed import SINGLE
 from engine.fileio import fsync_dir, json_bytes, sha256_file, write_durable
 
 FORMAT = "streamtrain-checkpoint"
@@ -228,59 +229,127 @@ def _state_json(path: Path, state: dict) -> bytes:
                               f"{_unwritable(state, 'state') or e}") from None
 
 
-def save_training_state(engine, root: Path, step: int, state: dict, keep: int = 3) -> Path:
+def save_training_state(engine, root: Path, step: int, state: dict, keep: int = 3, dp=SINGLE) -> Path:
     """Atomically write the engine's full training state plus `state` (trainer_state.json) as root/step_<step>.
+
+    Data parallel (`dp`, called on every rank): rank 0 prepares `step_<step>.tmp`, each rank writes the unit files
+    of the units whose state it holds (engine.owner; rank 0 those held everywhere), rank 0 writes the trainer state
+    and the manifest last and renames; a failure on any rank fails the save on every rank.
 
     An error during the save removes `step_<step>.tmp` and re-raises: the newest complete checkpoint stays what
     it was. A state that strict JSON cannot hold (NaN, infinity, an object) is refused before any unit is
     written. KeyboardInterrupt and SystemExit (a second signal: abort now) leave the partial directory, like a
     kill; the next save removes it."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step}"
-    if _is_complete(final):
-        return final
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     head = {"format": FORMAT, "version": VERSION, **state, "step": step}
     _state_json(final / TRAINER_STATE, head)
+    exists = None
+    if dp.rank == 0:
+        exists = _agreed(dp, _prepare_save, root, final, tmp)
+    else:
+        exists = _agreed(dp, None)
+    if exists:
+        return final
+    owner = getattr(engine, "owner", {})
+    mine = [unit for unit in engine.spec.units if owner.get(unit.index, 0) == dp.rank]
+    written = _on_every_rank(dp, _write_units, engine, mine, tmp)
+    if dp.rank == 0:
+        files = {name: meta for files, _ in written for name, meta in files.items()}
+        units = sorted((u for _, units in written for u in units), key=lambda u: u["index"])
+        _agreed(dp, _finish_save, root, final, tmp, head, files, units, keep)
+    else:
+        _agreed(dp, None)
+    return final
+
+
+def _prepare_save(root: Path, final: Path, tmp: Path) -> bool:
+    """Rank 0: True if step_<N> is complete already, else an empty step_<N>.tmp ready for the unit files."""
+    root.mkdir(parents=True, exist_ok=True)
+    if _is_complete(final):
+        return True
     _cleanup(root)
     if final.exists():
         shutil.rmtree(final)
-    tmp = root / f"step_{step}.tmp"
     tmp.mkdir()
-    try:
-        files: Dict[str, dict] = {}
-        units = []
-        for unit in engine.spec.units:
-            st = engine.unit_state(unit.index)
-            items: List[WriteItem] = []
-            for kind in STATE_KINDS:
-                tensors = st[kind]
-                if not tensors:  # the reference engine's moments before its first update
-                    continue
-                for s in unit.layout.specs:
-                    t = tensors[s.name]
-                    items.append((f"{kind}.{unit.layout.prefix}{s.name}", t.dtype, tuple(s.shape), t))
-            flat = st.get("flat") or {}  # int8 moments: flat buffers and their block scales
-            items += [(f"flat.{key}", t.dtype, tuple(t.shape), t) for key, t in sorted(flat.items())]
-            fname = unit_file_name(unit)
-            nbytes, sha = write_safetensors(tmp / fname, items, {"format": "pt", "unit": str(unit.index),
-                                                                 "adam_step": repr(float(st["step"]))})
-            files[fname] = {"bytes": nbytes, "sha256": sha}
-            units.append({"index": unit.index, "name": unit.name, "file": fname, "adam_step": float(st["step"]),
-                          "moments": bool(st["exp_avg"]) or bool(flat), "flat": sorted(flat)})
-        nbytes, sha = write_durable(tmp / TRAINER_STATE, _state_json(final / TRAINER_STATE, {**head, "units": units}))
-        files[TRAINER_STATE] = {"bytes": nbytes, "sha256": sha}
-        write_durable(tmp / MANIFEST, json_bytes({
-            "format": FORMAT, "version": VERSION, "step": step, "files": files,
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}))
-        fsync_dir(tmp)
-        os.rename(tmp, final)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return False
+
+
+def _write_units(engine, units, tmp: Path) -> Tuple[Dict[str, dict], List[dict]]:
+    """One unit file per unit of `units`: (manifest entries, trainer-state entries)."""
+    files: Dict[str, dict] = {}
+    entries = []
+    for unit in units:
+        st = engine.unit_state(unit.index)
+        items: List[WriteItem] = []
+        for kind in STATE_KINDS:
+            tensors = st[kind]
+            if not tensors:  # the reference engine's moments before its first update
+                continue
+            for s in unit.layout.specs:
+                t = tensors[s.name]
+                items.append((f"{kind}.{unit.layout.prefix}{s.name}", t.dtype, tuple(s.shape), t))
+        flat = st.get("flat") or {}  # int8 moments: flat buffers and their block scales
+        items += [(f"flat.{key}", t.dtype, tuple(t.shape), t) for key, t in sorted(flat.items())]
+        fname = unit_file_name(unit)
+        nbytes, sha = write_safetensors(tmp / fname, items, {"format": "pt", "unit": str(unit.index),
+                                                             "adam_step": repr(float(st["step"]))})
+        files[fname] = {"bytes": nbytes, "sha256": sha}
+        entries.append({"index": unit.index, "name": unit.name, "file": fname, "adam_step": float(st["step"]),
+                        "moments": bool(st["exp_avg"]) or bool(flat), "flat": sorted(flat)})
+    return files, entries
+
+
+def _finish_save(root: Path, final: Path, tmp: Path, head: dict, files: Dict[str, dict], units: List[dict],
+                 keep: int) -> None:
+    """Rank 0, every unit file written: the trainer state, the manifest last, the rename, the pruning."""
+    nbytes, sha = write_durable(tmp / TRAINER_STATE, _state_json(final / TRAINER_STATE, {**head, "units": units}))
+    files[TRAINER_STATE] = {"bytes": nbytes, "sha256": sha}
+    write_durable(tmp / MANIFEST, json_bytes({
+        "format": FORMAT, "version": VERSION, "step": head["step"], "files": files,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}))
+    fsync_dir(tmp)
+    os.rename(tmp, final)
     fsync_dir(root)
     _prune(root, keep)
-    return final
+
+
+def _agreed(dp, fn: Optional[Callable], *args):
+    """Rank 0 runs `fn(*args)` (the others pass None) and every rank returns its result, or raises its error; an
+    error before the rename removes step_<N>.tmp (args[2])."""
+    result = error = None
+    if fn is not None:
+        try:
+            result = fn(*args)
+        except Exception as e:
+            shutil.rmtree(args[2], ignore_errors=True)
+            if not dp.active:
+                raise
+            error = f"{type(e).__name__}: {e}"
+    result, error = dp.broadcast((result, error))
+    if error is not None:
+        raise CheckpointError(f"saving the checkpoint failed on rank 0: {error}")
+    return result
+
+
+def _on_every_rank(dp, fn: Callable, engine, units, tmp: Path) -> list:
+    """`fn(engine, units, tmp)` on every rank; every rank's result in rank order, or a CheckpointError on every
+    rank naming the ranks that failed (rank 0 then removes step_<N>.tmp)."""
+    result = error = None
+    try:
+        result = fn(engine, units, tmp)
+    except Exception as e:
+        if not dp.active:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        error = f"{type(e).__name__}: {e}"
+    gathered = dp.gather((result, error))
+    failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err is not None]
+    if failed:
+        if dp.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError("saving the checkpoint failed: " + "; ".join(failed))
+    return [res for res, _ in gathered]
 
 
 # ================================================================================================================
@@ -318,9 +387,11 @@ def _verify_file(ckpt_dir: Path, name: str, meta: dict) -> None:
 
 
 def open_training_state(path: Path, spec=None, fingerprint: Optional[dict] = None, verify: bool = True,
-                        threads: int = VERIFY_THREADS) -> TrainingCheckpoint:
+                        threads: int = VERIFY_THREADS,
+                        verify_unit: Optional[Callable[[int], bool]] = None) -> TrainingCheckpoint:
     """Check a checkpoint completely without touching any engine: manifest, sizes, checksums (`verify`), the run
-    fingerprint against `fingerprint` (ConfigError naming the field), every unit file's tensor names and shapes."""
+    fingerprint against `fingerprint` (ConfigError naming the field), every unit file's tensor names and shapes.
+    `verify_unit(index)`: which unit files to checksum (default all; a rank of a sharded run reads its own only)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -343,7 +414,10 @@ def open_training_state(path: Path, spec=None, fingerprint: Optional[dict] = Non
                               f"{key}={now!r}{more}. Resume with the checkpoint's settings, or start a new run "
                               "(train.resume=none, or another run dir)")
     if verify:
-        names = sorted(files, key=lambda n: -files[n]["bytes"])  # largest first: the pool ends together
+        skipped = set()
+        if verify_unit is not None:
+            skipped = {u["file"] for u in state.get("units") or [] if not verify_unit(u["index"])}
+        names = sorted(set(files) - skipped, key=lambda n: -files[n]["bytes"])  # largest first: they end together
         with ThreadPoolExecutor(max_workers=max(1, min(threads, os.cpu_count() or 1, len(names)))) as pool:
             for f in [pool.submit(_verify_file, path, n, files[n]) for n in names]:
                 f.result()

@@ -69,6 +69,10 @@ clip coefficient is the fp32 run's; the rounding is unbiased, so each update is 
 rounding pass (read 4, write 2 B/element) per host-updated unit. GPU-updated units are untouched; a placement that
 leaves no unit to the host makes the option a no-op, which `notes` says for the run log.
 
+Data parallel (engine/distributed.py). Each finished gradient is summed over ranks on a `comm` stream before its
+reader sees it; with sharded state (the default) the sum goes to the unit's owner only, and every load of a unit
+whose state another rank holds is a broadcast of that rank's freshly filled slot, on the same stream.
+
 On a CPU-only torch every stream and event is a synchronous stand-in (engine/device.py): same code, no overlap.
 """
 
@@ -82,7 +86,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from engine import optim
-from engine.distributed import SINGLE, DataParallel
+from engine.distributed import SINGLE, DataParallel, state_owners
 from engine.device import Device, autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
 from engine.kernels.grad_accum import to_bf16_stochastic
@@ -147,15 +151,21 @@ class StreamEngine:
                              f"but the placement leaves units {self.host_units[0]}..{self.host_units[-1]} to it")
         # the NVMe tier: the Adam moments of the last host-updated units live in a file (engine/streaming/nvme.py)
         n_disk = placement.get("nvme_units", 0)
-        self.disk_units = nvme_layers(n_units, n_resident + len(self.streamed_units), n_disk)
-        if len(self.disk_units) < n_disk:
-            raise ValueError(f"engine.nvme_units={n_disk}, but only {len(self.disk_units)} decoder layers are "
+        disk_units = nvme_layers(n_units, n_resident + len(self.streamed_units), n_disk)
+        if len(disk_units) < n_disk:
+            raise ValueError(f"engine.nvme_units={n_disk}, but only {len(disk_units)} decoder layers are "
                              "host-updated")
-        self.store = HostStore(spec, pin=self.dev.cuda, grad_units=() if self.grads_on_gpu else self.host_units,
-                               grad_staging=2 if self.grads_on_gpu and self.host_units else 0,
+        # sharded state (engine/distributed.py): the host-state units' owners; this rank holds and updates its own
+        self.owner: Dict[int, int] = {}
+        if dp.active and cfg.engine.shard_state:
+            self.owner = state_owners(spec, placement, dp.world)
+        self.my_streamed_units, self.my_host_units, self.disk_units = (
+            [u for u in units if self.owns(u)] for units in (self.streamed_units, self.host_units, disk_units))
+        self.store = HostStore(spec, pin=self.dev.cuda, grad_units=() if self.grads_on_gpu else self.my_host_units,
+                               grad_staging=2 if self.grads_on_gpu and self.my_host_units else 0,
                                host_activation_numel=activation_numel, seed=cfg.seed,
-                               host_units=self.streamed_units + self.host_units, streamed_units=self.streamed_units,
-                               fmt=self.fmt, disk_units=self.disk_units,
+                               host_units=self.my_streamed_units + self.my_host_units,
+                               streamed_units=self.my_streamed_units, fmt=self.fmt, disk_units=self.disk_units,
                                grad_dtype=torch.bfloat16 if self.transfer_bf16 else torch.float32)
         layouts = self.store.layouts
         self.nvme: Optional[MomentFile] = None
@@ -177,19 +187,20 @@ class StreamEngine:
         # data parallel: each finished gradient is summed over ranks on this stream (engine/distributed.py)
         self.comm = self.dev.new_stream() if dp.active else None
         self.timer = StallTimer(self.dev)
-        self.streamed = StreamedUpdater(self.dev, self.h2d, self.d2h, layouts, self.streamed_units,
+        self.streamed = StreamedUpdater(self.dev, self.h2d, self.d2h, layouts, self.my_streamed_units,
                                         {k: [st[k] for st in states] for k in states[0]}, self.timer)
         # a streamed unit's update runs over its GPU staging views (fp32: the AdamW is built over them; a format:
         # they are passed to each update), the others' over their own buffers
         self.opt, self.format_opt = None, None
         if self.fmt.exact:
             opt_state = {"master": list(self.master), "m": list(self.m), "v": list(self.v)}
-            for u in self.streamed_units:
+            for u in self.my_streamed_units:
                 for which, view in self.streamed.state_views(u).items():
                     opt_state[which][u] = view
             for u in self.disk_units:  # rebound to the unit's staging buffer before each of its updates
                 opt_state["m"][u], opt_state["v"][u] = self.nvme.staging_views(u)
-            self.opt = FlatAdamW(layouts, opt_state["master"], opt_state["m"], opt_state["v"], t)
+            self.opt = FlatAdamW(layouts, opt_state["master"], opt_state["m"], opt_state["v"], t,
+                                 units=[u for u in range(n_units) if self.owns(u)])
         else:
             self.format_opt = optim.FormatAdamW(layouts, self.fmt, t, cfg.seed, states, device)
         self.loader = WeightLoader(self.dev, self.h2d, self.master, layouts, compute_dtype, self.timer)
@@ -250,6 +261,10 @@ class StreamEngine:
         self.last_optimizer_s = 0.0
         self.optimizer_wait_s = 0.0
 
+    def owns(self, unit: int) -> bool:
+        """Whether this rank holds and updates unit's state (every unit, unless the state is sharded)."""
+        return self.owner.get(unit, self.dp.rank) == self.dp.rank
+
     # ---- weights --------------------------------------------------------------------------------------------
     def _check_optimizer(self, waiting_for: str) -> None:
         """Called while the engine's thread waits on the optimizer thread: raise if that thread has ended."""
@@ -297,14 +312,35 @@ class StreamEngine:
             slot = self._slot_for(unit, busy)
             if slot.unit == unit and self.slot_version.get(id(slot)) == self.version:
                 continue
-            if not wait and not self.updated[unit].is_set():
+            if not wait and not self._agreed(self.updated[unit].is_set()):
                 return
-            self._wait_updated(unit)
-            if unit in self.streamed.pending:
-                self.streamed.update(unit, self._streamed_step, slot)
-            else:
-                self.loader.load(unit, slot, after=self.streamed.landed.get(unit))
+            owner = self.owner.get(unit)
+            if owner is None or owner == self.dp.rank:
+                self._wait_updated(unit)
+                if unit in self.streamed.pending:
+                    self.streamed.update(unit, self._streamed_step, slot)
+                else:
+                    self.loader.load(unit, slot, after=self.streamed.landed.get(unit))
+            if owner is not None:
+                self._share_slot(unit, slot, owner)
             self.slot_version[id(slot)] = self.version
+
+    def _agreed(self, ready: bool) -> bool:
+        """Whether a look-ahead load goes ahead now: with sharded state, on every rank or none (the loads are
+        collectives, issued in the same order everywhere), when the unit's owner has it updated."""
+        return self.dp.all_true(ready) if self.owner else ready
+
+    def _share_slot(self, unit: int, slot: Slot, owner: int) -> None:
+        """Sharded state: the owner's freshly filled slot to every rank (a broadcast on the comm stream, behind the
+        fill on the owner, behind the slot's last use on the others); records `slot.ready` behind it."""
+        layout = self.store.layouts[unit]
+        with self.dev.on(self.comm):
+            self.dev.wait_event(self.comm, slot.ready if owner == self.dp.rank else slot.free)
+            for part in (slot.cast[:layout.cast_numel], slot.tail[:layout.numel - layout.cast_numel]):
+                if part.numel():
+                    self.dp.broadcast_(part, owner)
+            slot.ready.record(self.comm)
+        slot.unit = unit
 
     def _load_ahead(self, order: List[int], k: int, wait: bool) -> None:
         """Queue the loads of the units that follow order[k] in the look-ahead window. Called twice around
@@ -325,8 +361,10 @@ class StreamEngine:
         self._slot_for(unit, [unit]).free.record()
 
     def _window(self, order: List[int], k: int) -> List[int]:
-        """order[k] and the units loaded ahead of it: as many as the ring has other slots."""
-        depth = 1 if self.cache_weights else len(self.layer_slots) - 1
+        """order[k] and the units loaded ahead of it: as many as the ring has other slots; with a slot per layer,
+        one (a unit's load overlaps the compute before it), or one per rank when the state is sharded (each rank's
+        link loads its own units: engine/distributed.py)."""
+        depth = (self.dp.world if self.owner else 1) if self.cache_weights else len(self.layer_slots) - 1
         return order[k:k + 1 + depth]
 
     def _enter(self, order: List[int], k: int) -> Dict[str, torch.Tensor]:
@@ -355,17 +393,28 @@ class StreamEngine:
             self._hand_off_grad(unit, acc, grad_hook)
             return
         # the sum over ranks and everything that reads the summed gradient, on the comm stream: the compute stream
-        # goes on with the next layer's backward meanwhile
+        # goes on with the next layer's backward meanwhile. A sharded unit's sum goes to its owner only; one rank
+        # writes each unit's sums of squares (the owner, or rank 0), which the step then sums over ranks
         ready = self.dev.event()
         ready.record()
         self.dev.wait_event(self.comm, ready)
+        owner = self.owner.get(unit)
         with self.dev.on(self.comm):
-            self.dp.all_reduce_(acc.flat)
-            self._hand_off_grad(unit, acc, grad_hook)
+            if owner is None:
+                self.dp.all_reduce_(acc.flat)
+                self._hand_off_grad(unit, acc, grad_hook, norms=self.dp.rank == 0)
+            elif owner == self.dp.rank:
+                self.dp.reduce_(acc.flat, owner)
+                self._hand_off_grad(unit, acc, grad_hook)
+            else:
+                self.dp.reduce_(acc.flat, owner)
+                acc.hand_off()
+                acc.read_queued(self.comm)
 
-    def _hand_off_grad(self, unit: int, acc: GradAccumulator, grad_hook) -> None:
+    def _hand_off_grad(self, unit: int, acc: GradAccumulator, grad_hook, norms: bool = True) -> None:
         """Unit's finished gradient (summed over ranks) to its reader: the held bf16 copy, the GPU update, or the
-        D2H copy to the host, queued on the current stream."""
+        D2H copy to the host, queued on the current stream. `norms`: whether this rank writes the unit's sums of
+        squares (data parallel: one rank does)."""
         if grad_hook is not None:
             grad_hook(unit, acc.views)
         if self.held:  # round into the unit's held bf16 copy, keyed as engine=reference keys it; free the accumulator
@@ -376,7 +425,7 @@ class StreamEngine:
             acc.hand_off()
             acc.read_queued(None)
             acc = held
-        if self.held or grad_hook is not None or self.dp.active:  # norms of the rounded copy, the hook's, the sum
+        if (self.held or grad_hook is not None or self.dp.active) and norms:  # of the rounded copy, the hook's, the sum
             self.sq_slices[unit].copy_(optim.sq_norms(list(acc.views.values())))
         acc.hand_off()
         if self.grads_on_gpu or unit in self.gpu_updated:
@@ -527,6 +576,8 @@ class StreamEngine:
         labels = [lab.to(self.dev.device, non_blocking=True) for _, lab in batches]
         self.gpu_grads: Dict[int, GradAccumulator] = {}
         self.grad_landed: Dict[int, object] = {}
+        if self.dp.active:  # each rank writes its units' entries; the others must be zero, not the last step's sums
+            self.sq_norms.zero_()
         self.timer.reset()
         self.timer.mark("start")
         x = self._forward(ids, keep=True)
@@ -541,11 +592,11 @@ class StreamEngine:
         self.activations.clear()
         self.regenerated.clear()
 
-        if self.dp.active:  # the norm reads the sums of squares the comm stream wrote
+        if self.dp.active:  # the norm reads the sums of squares the comm stream wrote, one rank's each: summed
             reduced = self.dev.event()
             reduced.record(self.comm)
             self.dev.wait_event(None, reduced)
-            self.dp.all_reduce_(loss_total)
+            self.dp.all_reduce_tensors_([self.sq_norms, loss_total])
         total_norm = optim.global_norm(self.sq_norms)
         norm_value = float(total_norm)  # the step's one synchronisation
         skipped = not torch.isfinite(total_norm).item()
@@ -555,8 +606,9 @@ class StreamEngine:
         previous_optimizer_s = self.last_optimizer_s
         self.skipped_steps += int(skipped)
         self.version += 1
-        for ev in self.updated:
-            ev.clear()
+        for unit, ev in enumerate(self.updated):
+            if self.owns(unit):  # another rank's units are that rank's to update
+                ev.clear()
         scale = float(coef) < 1.0
         if self.format_opt is not None:
             self.format_opt.set_lr(lr)
@@ -575,7 +627,7 @@ class StreamEngine:
             self.updated[unit].set()
         if skipped:
             self.streamed.skip(self.gpu_grads)
-        elif self.streamed_units:  # updated when the next forward loads them (streamed_update.py)
+        elif self.my_streamed_units:  # updated when the next forward loads them (streamed_update.py)
             self.streamed.submit(self.gpu_grads, coef_dev, scale, lr)
         for unit in self.streamed_units:
             self.updated[unit].set()
@@ -593,7 +645,7 @@ class StreamEngine:
 
     def _optimizer_pass(self, coef: torch.Tensor, lr: float, skipped: bool, gpu_grads, grad_landed) -> None:
         start = time.perf_counter()
-        units = self.host_units
+        units = self.my_host_units
         if skipped or not units:
             for unit in units:
                 if unit in gpu_grads:
@@ -683,12 +735,19 @@ class StreamEngine:
     def _views(self, which: str, index: int) -> Dict[str, torch.Tensor]:
         return self.store.layouts[index].views(getattr(self, which)[index])
 
+    def _whole_state(self, what: str) -> None:
+        if self.owner:
+            raise RuntimeError(f"{what}: this rank holds the state of its own units only (engine.shard_state=true); "
+                               "read a checkpoint instead, whose unit files every rank wrote")
+
     def master_weights(self) -> Dict[str, torch.Tensor]:
+        self._whole_state("master_weights")
         self.wait_for_optimizer()
         return {u.layout.prefix + name: t.to("cpu", torch.float32, copy=True) for u in self.spec.units
                 for name, t in self._views("master", u.index).items()}
 
     def adam_moments(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+        self._whole_state("adam_moments")
         self.wait_for_optimizer()
         if self.format_opt is not None:
             return {k: mv for u in self.spec.units for k, mv in self.format_opt.moments_by_name(u.index).items()}
@@ -701,6 +760,9 @@ class StreamEngine:
 
     def unit_state(self, index: int) -> dict:
         """One unit's training state by name: views into the host store (not copies), after the pending update."""
+        if not self.owns(index):
+            raise RuntimeError(f"unit {index}'s state lives on rank {self.owner[index]}, not on rank {self.dp.rank} "
+                               "(engine.shard_state=true)")
         self.wait_for_optimizer()
         if self.format_opt is not None:
             return self.format_opt.unit_state(index)
@@ -719,7 +781,11 @@ class StreamEngine:
     @torch.no_grad()
     def load_unit_state(self, index: int, master: Dict[str, torch.Tensor], exp_avg=None, exp_avg_sq=None,
                         step: float = 0.0, flat=None) -> None:
-        """Copy a unit's state into the host store; moments are optional (HF import leaves them zero)."""
+        """Copy a unit's state into the host store; moments are optional (HF import leaves them zero). Another
+        rank's unit (sharded state) is that rank's to load: only the weights' generation advances, as there."""
+        if not self.owns(index):
+            self.version += 1
+            return
         self.wait_for_optimizer()
         if self.format_opt is not None:
             self.format_opt.load_unit_state(index, master, exp_avg, exp_avg_sq, step, flat)
