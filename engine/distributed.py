@@ -188,14 +188,16 @@ def init(device_name: str, grad_accum: int, timeout_min: float = 30.0) -> DataPa
 
 
 def local_config(cfg, dp: DataParallel):
-    """The config one rank's engine and planner see: its share of the micro-batches per step, and, with sharded
-    state, a ring of at least world + 1 layer slots: a unit is loaded over its owner's PCIe link only, so the
-    look-ahead window must hold one unit per rank for every rank's link to carry a load at once (with the default
-    2 slots one load is in flight at a time and the H2D time would not shrink with the ranks)."""
+    """The config one rank's engine and planner see: its share of the micro-batches per step and of the host's NVMe
+    tier space (of its RAM too, which the trainer divides), and, with sharded state, a ring of at least world + 1
+    layer slots: a unit is loaded over its owner's PCIe link only, so the look-ahead window must hold one unit per
+    rank for every rank's link to carry a load at once (with the default 2 slots one load is in flight at a time and
+    the H2D time would not shrink with the ranks)."""
     if not dp.active:
         return cfg
     local = copy.deepcopy(cfg)
     local.train.grad_accum = cfg.train.grad_accum // dp.world
+    local.hardware.nvme_gib = cfg.hardware.nvme_gib / dp.local_world  # the ranks of a host share its disk
     if cfg.engine.name == "stream" and cfg.engine.shard_state:
         local.engine.slots = max(cfg.engine.slots, dp.world + 1)
     return local

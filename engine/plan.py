@@ -259,10 +259,11 @@ def formats_that_fit(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, c
 class _Shape:
     """The numbers both the memory and the time model need."""
 
-    def __init__(self, spec, cfg, on_gpu: bool, fmt: StateFormat):
+    def __init__(self, spec, cfg, on_gpu: bool, fmt: StateFormat, state_ranks: int = 1):
         t = cfg.train
         self.spec = spec
         self.fmt = fmt
+        self.state_ranks = state_ranks  # data-parallel ranks the host state is sharded over (engine/distributed.py)
         self.grad_transfer = t.grad_transfer_dtype  # the dtype host-updated units' gradients cross the link in
         self.compute_bytes = 2 if on_gpu and t.compute_dtype != "fp32" else 4
         self.mb_tokens = t.micro_batch_size * t.seq_len
@@ -392,7 +393,13 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     load. Exposed wait: forward time beyond its compute. Backward: per layer the larger of its compute and its
     transfers; the backward reaches a recompute group at its last layer, which also regenerates the group (the
     forward of its other layers, their weights loaded again, the kept input brought in). The binding resource has
-    the most busy time."""
+    the most busy time.
+
+    Sharded state (`s.state_ranks` > 1, engine/distributed.py): a unit's host update, its H2D and its gradient's D2H
+    run on its owner's CPU and link, so each rank's AdamW clock and link are pipelines of their own (the ring's
+    slots bound how many loads are in flight). The backward is the larger of its compute and the busiest link's
+    transfers. Not modelled: the NVLink traffic (each slot's broadcast and each gradient's reduce, at several times
+    the PCIe rate, on a stream of their own)."""
     n_res, n_str = placement["gpu_resident_units"], placement["gpu_streamed_units"]
     cached = placement["cache_weights"] == "on"
     grads_host = placement["grads_tier"] == "host"
@@ -416,17 +423,22 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
         adam = numel[u] / sp.adam_pcie
         return max(adam, 2 * nvme_file_bytes([numel[u]]) / sp.nvme) if u in on_disk and sp.nvme else adam
 
-    host_done, clock = [0.0] * n_units, 0.0
+    ranks = s.state_ranks
+    owner = owners({u: numel[u] for u in range(n_res, n_units)}, ranks) if ranks > 1 else {}
+    link = [owner.get(u, 0) for u in range(n_units)]  # whose CPU updates and whose link carries unit u
+
+    host_done, clock = [0.0] * n_units, [0.0] * ranks
     for u in range(n_units):
         if place[u] == "host":
-            clock += host_update_s(u)
-        host_done[u] = clock
+            clock[link[u]] += host_update_s(u)
+        host_done[u] = clock[link[u]]
     slots = n_units if cached else placement.get("slots", 2)
     h2d_end, d2h_end, end = [0.0] * n_units, [0.0] * n_units, [0.0] * n_units
-    h2d_prev = d2h_prev = end_prev = 0.0
-    h2d_busy = d2h_busy = 0.0
+    h2d_prev, d2h_prev, end_prev = [0.0] * ranks, [0.0] * ranks, 0.0
+    h2d_busy, d2h_busy = [0.0] * ranks, [0.0] * ranks
     for u in range(n_units):
-        start = max(h2d_prev, host_done[u])
+        r = link[u]
+        start = max(h2d_prev[r], host_done[u])
         if 1 <= u <= s.L and u - slots >= 1:
             start = max(start, end[u - slots])
         if place[u] == "streamed":
@@ -435,41 +447,55 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
             h2d_t = s.fmt.state_bytes(numel[u]) / link_each
         else:
             h2d_t = 0.0 if place[u] == "resident" else s.fmt.master_bytes(numel[u]) / sp.h2d
-        h2d_end[u] = h2d_prev = start + h2d_t
-        d2h_t = (s.fmt.state_bytes(numel[u]) / link_each if place[u] == "streamed" else 0.0) + \
-            (layer_input_bytes / sp.d2h if activations_host and 1 <= u and u - 1 in kept_inputs else 0.0)
-        d2h_end[u] = d2h_prev = max(d2h_prev, h2d_end[u]) + d2h_t
-        h2d_busy += h2d_t
-        d2h_busy += d2h_t
+        h2d_end[u] = h2d_prev[r] = start + h2d_t
+        d2h_t = s.fmt.state_bytes(numel[u]) / link_each if place[u] == "streamed" else 0.0
+        # each rank's kept activations go out over its own link
+        act_t = layer_input_bytes / sp.d2h if activations_host and 1 <= u and u - 1 in kept_inputs else 0.0
+        for q in range(ranks):
+            d2h_prev[q] = max(d2h_prev[q], h2d_end[u]) + act_t + (d2h_t if q == r else 0.0)
+            d2h_busy[q] += act_t + (d2h_t if q == r else 0.0)
+        d2h_end[u] = d2h_prev[r]
+        h2d_busy[r] += h2d_t
         end[u] = end_prev = max(end_prev, h2d_end[u]) + compute[u]
     t_fwd = end[-1]
     exposed = t_fwd - sum(compute)
-    fwd_h2d, fwd_d2h = h2d_busy, d2h_busy
+    fwd_h2d, fwd_d2h = max(h2d_busy), max(d2h_busy)
     head = s.head_flops / sp.head
     backward = 0.0
 
     def weights_in(u: int) -> float:
         return 0.0 if cached or place[u] == "resident" else s.fmt.master_bytes(numel[u]) / sp.h2d
 
+    bwd_compute, bwd_h2d, bwd_d2h = 0.0, [0.0] * ranks, [0.0] * ranks
     for u in range(1, s.L + 1):
         kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
         layer_compute = (2 if kept else 3) * s.layer_fwd_flops / sp.bwd
-        h2d = 0.0 if kept else weights_in(u)
+        h2d = [0.0] * ranks
+        h2d[link[u]] = 0.0 if kept else weights_in(u)
         if not kept and (u % g == 0 or u == first_kept - 1):  # the last layer of its group: regenerate the group
             others = range(u - (u - 1) % g, u)  # the layers from the one reading the kept input up to u - 1
             layer_compute += len(others) * s.layer_fwd_flops / sp.fwd
-            h2d += sum(weights_in(v) for v in others) + (layer_input_bytes / sp.h2d if activations_host else 0.0)
+            for v in others:
+                h2d[link[v]] += weights_in(v)
+            for q in range(ranks):
+                h2d[q] += layer_input_bytes / sp.h2d if activations_host else 0.0
         grad_out = s.transfer_bytes(numel[u]) / sp.d2h if grads_host and place[u] == "host" else 0.0
-        backward += max(layer_compute, h2d, grad_out)
-        h2d_busy += h2d
-        d2h_busy += grad_out
+        backward += max(layer_compute, max(h2d), grad_out)
+        bwd_compute += layer_compute
+        for q in range(ranks):
+            bwd_h2d[q] += h2d[q]
+        bwd_d2h[link[u]] += grad_out
+    if ranks > 1:  # the ranks' links work side by side: the busiest one, or the compute, sets the pace
+        backward = max(bwd_compute, max(bwd_h2d), max(bwd_d2h))
+    h2d_busy = [a + b for a, b in zip(h2d_busy, bwd_h2d)]
+    d2h_busy = [a + b for a, b in zip(d2h_busy, bwd_d2h)]
     resident_adam = s.fmt.update_hbm_bytes(sum(numel[:n_res])) / HBM_ADAMW_BYTES_PER_S
-    host_total = sum(host_update_s(u) for u in range(n_units) if place[u] == "host")
+    host_total = max(clock)  # the busiest rank's host AdamW
     times = {"forward": t_fwd, "forward_compute": sum(compute), "forward_h2d": fwd_h2d, "forward_d2h": fwd_d2h,
              "head": head, "backward": backward, "gpu_resident_adamw": resident_adam, "host_adamw": host_total,
              "exposed_wait": exposed}
     times["step"] = t_fwd + head + backward + resident_adam + STEP_OVERHEAD_S
-    busy_by = {"GPU compute": sum(compute) + head + backward, "H2D": h2d_busy, "D2H": d2h_busy,
+    busy_by = {"GPU compute": sum(compute) + head + backward, "H2D": max(h2d_busy), "D2H": max(d2h_busy),
                "host AdamW" if not on_disk else "host AdamW + NVMe": host_total}
     return times, max(busy_by, key=busy_by.get)
 
@@ -553,7 +579,7 @@ def choose_split(s: _Shape, sp: Speeds, candidates: List[Tuple[dict, float]]) ->
 
 def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks: int = 1) -> MemoryPlan:
     e, hw = cfg.engine, cfg.hardware
-    s = _Shape(spec, cfg, on_gpu, fmt)
+    s = _Shape(spec, cfg, on_gpu, fmt, state_ranks)
     sp = Speeds(hw, runs_compiled(cfg, on_gpu))
     layouts, L = s.layouts, s.L
     compute_tier = "gpu" if on_gpu else "host"

@@ -23,9 +23,10 @@ from tests.test_engine_equivalence import FAMILIES
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun(run_dir: Path, *args, ranks: int = 2, check=True, timeout=300, script: str = "train.py"):
+def torchrun(run_dir: Path, *args, ranks: int = 2, check=True, timeout=300, script: str = "train.py",
+             hardware: str = "cpu"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", script,
-           "logger=none", "hardware=cpu", *RECIPE, *args, f"hydra.run.dir={run_dir}"]
+           "logger=none", f"hardware={hardware}", *RECIPE, *args, f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
     if check:
@@ -57,8 +58,11 @@ def assert_same_training(a: Path, b: Path, step: int):
     # MoE with its balance loss: each micro-batch's term is scaled by the step's tokens over all ranks
     ("stream", ["model.num_hidden_layers=2", *FAMILIES["qwen3_moe"]]),
     ("stream", ["engine.shard_state=false"]),  # every rank holds and updates every unit
+    # the NVMe tier: each rank keeps the moments of its own last layers in a file of its own
+    ("stream", ["hardware.nvme_dir=/tmp", "engine.nvme_units=2", "hardware.nvme_direct_io=false"]),
     ("reference", [])],
-    ids=["stream-host", "stream-three-places", "stream-formats", "stream-moe", "stream-replicated", "reference"])
+    ids=["stream-host", "stream-three-places", "stream-formats", "stream-moe", "stream-replicated", "stream-nvme",
+         "reference"])
 def test_two_ranks_train_as_one(engine, placement, tmp_path):
     common = [f"engine={engine}", "train.steps=4", "train.checkpoint_every=4", *placement]
     one, two = tmp_path / "one", tmp_path / "two"
@@ -149,3 +153,24 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_last_ch
     assert "saving the checkpoint failed: rank 1: OSError: [Errno 28] No space left on device (injected)" in out.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
     assert checkpoint.list_checkpoints(run / "checkpoints")[0] == [(2, run / "checkpoints" / "step_2")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("shard", ["true", "false"])
+def test_two_gpus_train_as_one(shard, tmp_path):
+    """NCCL: two GPUs with one micro-batch each against one GPU with both, compiled templates, sharded state (reduce
+    to the owner, slot broadcasts) or replicated. To rounding, not bit for bit: one GPU takes the clip norm's sums of
+    squares in the accumulation kernel, several GPUs from the summed gradient in a pass of their own."""
+    common = ["engine=stream", "train.steps=4", "train.checkpoint_every=4", "engine.gpu_resident_units=1",
+              "engine.gpu_streamed_units=1", f"engine.shard_state={shard}"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    train_cli(one, *common, hardware="auto")
+    torchrun(two, *common, hardware="auto")
+    (la, _), (lb, _) = step_losses(one), step_losses(two)
+    assert [s for s, _ in la] == [s for s, _ in lb] and la
+    assert [loss for _, loss in lb] == pytest.approx([loss for _, loss in la], rel=1e-5)
+    ta, tb = (state_tensors(d / "checkpoints" / "step_4") for d in (one, two))
+    assert ta.keys() == tb.keys() and len(ta) > 0
+    for k in ta:
+        torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=1e-6, msg=k)

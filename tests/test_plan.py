@@ -177,7 +177,8 @@ def test_an_eager_run_plans_fewer_kept_graphs_than_a_compiled_one():
 
 def test_sharded_state_plans_the_fullest_ranks_share_of_the_host_state():
     """qwen32b over 8 ranks of an 8-card host (engine/distributed.py): each rank plans in 1/8 of the host with the
-    host-state units of the rank that holds the most, whole units balanced by size: within a layer of 1/8."""
+    host-state units of the rank that holds the most, whole units balanced by size: within a layer of 1/8, in bytes
+    and in the time of its host AdamW and of its link's loads."""
     from engine.distributed import state_owners
 
     cfg = make_cfg(["model=qwen32b", "engine=stream", "hardware=h100x8", "train.seq_len=4096",
@@ -195,3 +196,8 @@ def test_sharded_state_plans_the_fullest_ranks_share_of_the_host_state():
     assert state_row(whole) / 8 <= state_row(shard) <= state_row(whole) / 8 + 12 * layer
     assert "this rank's" in next(item for tier, item, b in shard.rows if "Adam m + v" in item)
     assert whole.problem() and not shard.problem()  # 391 GB of fp32 state does not fit 70 GiB; its eighth does
+    # each rank's CPU updates and each rank's link loads its own units: the busiest rank's share of the work
+    for phase, per_param_s in (("host_adamw", 1 / (cfg.hardware.cpu_adam_gparams_per_s_under_pcie * 1e9)),
+                               ("forward_h2d", 4 / (cfg.hardware.h2d_gbps * 1e9))):
+        assert whole.times_s[phase] / 8 <= shard.times_s[phase] <= whole.times_s[phase] / 8 + layer * per_param_s
+    assert shard.times_s["forward_h2d"] == pytest.approx(4 * fullest / (cfg.hardware.h2d_gbps * 1e9))
