@@ -360,8 +360,9 @@ class Trainer:
                         self.log(f"stopped at step {step} ({stopped['reason']}); resume with train.resume=auto "
                                  f"hydra.run.dir={self.run_dir}")
                 if stopped is None and t.export_hf:
-                    sharded = bool(getattr(self.engine, "owner", None))  # no rank holds every unit: export the
-                    path = self._save(step, span_tokens) if sharded else None  # final checkpoint
+                    # with sharded state no rank holds every unit: the export reads the final checkpoint
+                    sharded = bool(getattr(self.engine, "owner", None))
+                    path = self._save(step, span_tokens) if sharded else None
                     if self.dp.rank == 0:
                         dtype = torch.bfloat16 if t.export_dtype == "bf16" else torch.float32
                         source = checkpoint.CheckpointSource(path) if sharded else \

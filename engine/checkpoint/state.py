@@ -244,22 +244,15 @@ def save_training_state(engine, root: Path, step: int, state: dict, keep: int = 
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     head = {"format": FORMAT, "version": VERSION, **state, "step": step}
     _state_json(final / TRAINER_STATE, head)
-    exists = None
-    if dp.rank == 0:
-        exists = _agreed(dp, _prepare_save, root, final, tmp)
-    else:
-        exists = _agreed(dp, None)
-    if exists:
+    rank0 = dp.rank == 0
+    if _agreed(dp, _prepare_save if rank0 else None, root, final, tmp):
         return final
     owner = getattr(engine, "owner", {})
     mine = [unit for unit in engine.spec.units if owner.get(unit.index, 0) == dp.rank]
     written = _on_every_rank(dp, _write_units, engine, mine, tmp)
-    if dp.rank == 0:
-        files = {name: meta for files, _ in written for name, meta in files.items()}
-        units = sorted((u for _, units in written for u in units), key=lambda u: u["index"])
-        _agreed(dp, _finish_save, root, final, tmp, head, files, units, keep)
-    else:
-        _agreed(dp, None)
+    files = {name: meta for files, _ in written for name, meta in files.items()}
+    units = sorted((u for _, units in written for u in units), key=lambda u: u["index"])
+    _agreed(dp, _finish_save if rank0 else None, root, final, tmp, head, files, units, keep)
     return final
 
 
@@ -314,15 +307,15 @@ def _finish_save(root: Path, final: Path, tmp: Path, head: dict, files: Dict[str
     _prune(root, keep)
 
 
-def _agreed(dp, fn: Optional[Callable], *args):
-    """Rank 0 runs `fn(*args)` (the others pass None) and every rank returns its result, or raises its error; an
-    error before the rename removes step_<N>.tmp (args[2])."""
+def _agreed(dp, fn: Optional[Callable], root: Path, final: Path, tmp: Path, *args):
+    """Rank 0 runs `fn(root, final, tmp, *args)` (the others pass None) and every rank returns its result, or raises
+    its error; an error removes step_<N>.tmp."""
     result = error = None
     if fn is not None:
         try:
-            result = fn(*args)
+            result = fn(root, final, tmp, *args)
         except Exception as e:
-            shutil.rmtree(args[2], ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             if not dp.active:
                 raise
             error = f"{type(e).__name__}: {e}"
