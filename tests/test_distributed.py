@@ -104,8 +104,9 @@ def _held_units(log: str) -> list:
 
 
 def test_sharded_state_is_split_over_the_ranks_and_exports_as_one(tmp_path):
-    """Each rank holds the host state of its own units only (together: one rank's bytes, each unit once), and
-    `train.export_hf` of the sharded run writes what one rank's run writes."""
+    """Each rank holds the host state of its own units only (together: one rank's bytes, each unit once),
+    `train.export_hf` of the sharded run writes what one rank's run writes, and a sharded run imports it as one
+    rank does."""
     common = ["engine=stream", "train.steps=2", "train.export_hf=true"]
     one, two = tmp_path / "one", tmp_path / "two"
     train_cli(one, *common)
@@ -123,6 +124,11 @@ def test_sharded_state_is_split_over_the_ranks_and_exports_as_one(tmp_path):
         assert sorted(a.keys()) == sorted(b.keys()) and len(a.keys()) > 0
         for k in a.keys():
             assert torch.equal(a.get(k), b.get(k)), k
+    # and a sharded run starts from that HF checkpoint as one rank does (each rank imports its own units)
+    init = ["engine=stream", "train.steps=2", "train.checkpoint_every=2", f"model.init=hf:{one / 'hf'}"]
+    train_cli(tmp_path / "one_hf", *init)
+    torchrun(tmp_path / "two_hf", *init)
+    assert_same_training(tmp_path / "one_hf", tmp_path / "two_hf", 2)
 
 
 FAILING_SAVE = """
