@@ -75,7 +75,7 @@ from omegaconf.errors import OmegaConfBaseException
 from engine.config import ATTENTION_BACKENDS, CONF_DIR, ConfigError, ModelConfig, TrainConfig
 from engine.device import autocast_ctx, pin_host, resolve_compute_dtype, unpin_host
 from engine.fileio import atomic_write
-from engine.metrics import host_rss_gib, model_flops_per_token, run_environment
+from engine.metrics import child_processes_rss_gib, host_rss_gib, model_flops_per_token, run_environment
 from engine.model import ModelSpec, Unit
 from engine.model.attention import resolve_attention
 from engine.model.dense import LayerCompute
@@ -462,9 +462,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             torch.cuda.empty_cache()
 
     # what a training process holds on the host before any state: torch, the CUDA context, compiled kernels (the
-    # layer's host-side master copies are freed by now); the planner adds it to every plan's host memory
-    figures["host_process_gib"] = host_rss_gib()
-    log(f"process host memory after the compute measurements: {figures['host_process_gib']:.2f} GiB")
+    # layer's host-side master copies are freed by now) and torch.compile's worker processes, which stay alive
+    # beside it; the planner adds it to every plan's host memory
+    workers_gib = child_processes_rss_gib()
+    figures["host_process_gib"] = host_rss_gib() + workers_gib
+    log(f"process host memory after the compute measurements: {figures['host_process_gib']:.2f} GiB "
+        f"({workers_gib:.2f} of it in child processes: torch.compile's workers)")
     not_measured: list[str] = []
     adam = HostAdam(args.adam_numel)
     if cuda:

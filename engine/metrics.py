@@ -193,6 +193,36 @@ def host_rss_gib() -> float:
     return rss if rss is not None else _getrusage_peak_gib()
 
 
+def child_processes_rss_gib() -> float:
+    """Resident set size of this process's descendants now (0 without /proc): torch.compile's pool of compile
+    workers, which lives beside the training process and is not in its own RSS. Pages a child shares with its
+    parent count in both."""
+    total_kib, pending, seen = 0, [os.getpid()], set()
+    while pending:
+        pid = pending.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            for child in children:
+                if child in seen:
+                    continue
+                seen.add(child)
+                pending.append(child)
+                try:
+                    with open(f"/proc/{child}/status") as f:
+                        total_kib += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+                except OSError:
+                    pass
+    return total_kib * 1024 / GIB
+
+
 def host_peak_rss_gib() -> float:
     """Largest resident set size this process has had."""
     peak = _proc_status_gib("VmHWM")
@@ -428,6 +458,7 @@ class MetricsLogger:
             "tflops_6n": tflops_6n,
             "gpu_mem_gib": gpu_mem,
             "host_mem_gib": host_rss_gib(),
+            "host_children_mem_gib": child_processes_rss_gib(),
         }
         out = _sanitize(raw)
         out["loss_finite"] = out["loss"] is not None

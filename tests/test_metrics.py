@@ -1,4 +1,8 @@
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -243,3 +247,21 @@ def test_gpu_mem_zero_without_cuda():
 def test_git_sha_is_string():
     sha = metrics.git_sha()
     assert sha == "unknown" or len(sha.split("+")[0]) >= 7
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
+def test_child_processes_rss_counts_a_child_holding_memory():
+    """torch.compile's worker processes live beside the training process: their resident memory is read from /proc
+    (a child that writes 256 MiB is counted, grandchildren included)."""
+    from engine.metrics import child_processes_rss_gib
+
+    before = child_processes_rss_gib()
+    code = "import subprocess, sys; subprocess.run([sys.executable, '-c', " \
+           "\"import sys, time; x = b'x' * (256 << 20); print('ready', flush=True); time.sleep(30)\"])"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert child_processes_rss_gib() - before >= 0.24
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # the grandchild too
+        child.wait()
