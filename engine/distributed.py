@@ -154,10 +154,10 @@ def owners(numels: Dict[int, int], world: int) -> Dict[int, int]:
     return out
 
 
-def state_owners(spec, placement: dict, world: int) -> Dict[int, int]:
-    """The owners (`owners`) of the units whose state lives in host RAM: all but the leading GPU-resident ones."""
-    first = placement.get("gpu_resident_units", 0)
-    return owners({u.index: u.layout.numel for u in spec.units[first:]}, world)
+def state_owners(spec, n_resident: int, world: int) -> Dict[int, int]:
+    """The owners (`owners`) of the units whose state lives in host RAM: all but the `n_resident` leading
+    GPU-resident ones."""
+    return owners({u.index: u.layout.numel for u in spec.units[n_resident:]}, world)
 
 
 def init(device_name: str, grad_accum: int, timeout_min: float = 30.0) -> DataParallel:

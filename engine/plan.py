@@ -60,7 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from engine.distributed import owners
+from engine.distributed import state_owners
 from engine.formats import StateFormat, all_formats
 from engine.metrics import model_flops_per_token
 from engine.model.attention import HAVE_FLASH_ATTN
@@ -424,7 +424,7 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
         return max(adam, 2 * nvme_file_bytes([numel[u]]) / sp.nvme) if u in on_disk and sp.nvme else adam
 
     ranks = s.state_ranks
-    owner = owners({u: numel[u] for u in range(n_res, n_units)}, ranks) if ranks > 1 else {}
+    owner = state_owners(s.spec, n_res, ranks) if ranks > 1 else {}
     link = [owner.get(u, 0) for u in range(n_units)]  # whose CPU updates and whose link carries unit u
 
     host_done, clock = [0.0] * n_units, [0.0] * ranks
@@ -689,7 +689,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks:
         """The host-state units of the rank that holds the most of them (all of them on one rank)."""
         if state_ranks <= 1:
             return set(range(n_res, n_units))
-        owner = owners({u: layouts[u].numel for u in range(n_res, n_units)}, state_ranks)
+        owner = state_owners(spec, n_res, state_ranks)
         per_rank = [{u for u, r in owner.items() if r == rank} for rank in range(state_ranks)]
         return max(per_rank, key=lambda units: sum(state_bytes[u] for u in units))
     nvme_on = bool(hw.nvme_dir) and hw.nvme_gib > 0 and fmt.exact

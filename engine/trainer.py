@@ -179,7 +179,8 @@ class Trainer:
         self.plan = build_plan(self.spec, local_cfg, gpu_gib, host_gib, self.device.type == "cuda",
                                state_ranks=self.dp.world if sharded else 1)
         # the units whose state this rank holds (engine/distributed.py): it verifies and loads their files only
-        owner = distributed.state_owners(self.spec, self.plan.placement, self.dp.world) if sharded else {}
+        owner = distributed.state_owners(self.spec, self.plan.placement.get("gpu_resident_units", 0),
+                                         self.dp.world) if sharded else {}
         self.depth_truncated = depth_truncated(local_cfg, full_depth_layers, gpu_gib, host_gib,
                                                self.device.type == "cuda")
         with _refusals_named(f"data={cfg.data.name}" + (f" data.path={cfg.data.path}" if cfg.data.path else "")):

@@ -189,7 +189,7 @@ def test_sharded_state_plans_the_fullest_ranks_share_of_the_host_state():
     whole, shard = (build_plan(spec, cfg, gpu_gib=78.5, host_gib=557.0 / 8, on_gpu=True, check=False, state_ranks=n)
                     for n in (1, 8))
     state_row = lambda plan: next(b for tier, item, b in plan.rows if tier == "host" and "Adam m + v" in item)  # noqa
-    owner = state_owners(spec, shard.placement, 8)
+    owner = state_owners(spec, shard.placement["gpu_resident_units"], 8)
     fullest = max(sum(spec.units[u].layout.numel for u in owner if owner[u] == r) for r in range(8))
     assert state_row(shard) == 12 * fullest  # fp32 master + m + v of the fullest rank's units
     layer = spec.units[1].layout.numel

@@ -245,14 +245,14 @@ def save_training_state(engine, root: Path, step: int, state: dict, keep: int = 
     head = {"format": FORMAT, "version": VERSION, **state, "step": step}
     _state_json(final / TRAINER_STATE, head)
     rank0 = dp.rank == 0
-    if _agreed(dp, _prepare_save if rank0 else None, root, final, tmp):
+    if _on_ranks(dp, tmp, _prepare_save if rank0 else None, root, final, tmp)[0]:
         return final
     owner = getattr(engine, "owner", {})
     mine = [unit for unit in engine.spec.units if owner.get(unit.index, 0) == dp.rank]
-    written = _on_every_rank(dp, _write_units, engine, mine, tmp)
+    written = _on_ranks(dp, tmp, _write_units, engine, mine, tmp)
     files = {name: meta for files, _ in written for name, meta in files.items()}
     units = sorted((u for _, units in written for u in units), key=lambda u: u["index"])
-    _agreed(dp, _finish_save if rank0 else None, root, final, tmp, head, files, units, keep)
+    _on_ranks(dp, tmp, _finish_save if rank0 else None, root, final, tmp, head, files, units, keep)
     return final
 
 
@@ -307,35 +307,19 @@ def _finish_save(root: Path, final: Path, tmp: Path, head: dict, files: Dict[str
     _prune(root, keep)
 
 
-def _agreed(dp, fn: Optional[Callable], root: Path, final: Path, tmp: Path, *args):
-    """Rank 0 runs `fn(root, final, tmp, *args)` (the others pass None) and every rank returns its result, or raises
-    its error; an error removes step_<N>.tmp."""
+def _on_ranks(dp, tmp: Path, fn: Optional[Callable], *args) -> list:
+    """`fn(*args)` on every rank that passes one (None: nothing to do there); every rank's result in rank order, or
+    a CheckpointError on every rank naming the ranks that failed, after rank 0 removed step_<N>.tmp. One process
+    re-raises the error itself."""
     result = error = None
     if fn is not None:
         try:
-            result = fn(root, final, tmp, *args)
+            result = fn(*args)
         except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)
             if not dp.active:
+                shutil.rmtree(tmp, ignore_errors=True)
                 raise
             error = f"{type(e).__name__}: {e}"
-    result, error = dp.broadcast((result, error))
-    if error is not None:
-        raise CheckpointError(f"saving the checkpoint failed on rank 0: {error}")
-    return result
-
-
-def _on_every_rank(dp, fn: Callable, engine, units, tmp: Path) -> list:
-    """`fn(engine, units, tmp)` on every rank; every rank's result in rank order, or a CheckpointError on every
-    rank naming the ranks that failed (rank 0 then removes step_<N>.tmp)."""
-    result = error = None
-    try:
-        result = fn(engine, units, tmp)
-    except Exception as e:
-        if not dp.active:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        error = f"{type(e).__name__}: {e}"
     gathered = dp.gather((result, error))
     failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err is not None]
     if failed:

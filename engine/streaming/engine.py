@@ -158,7 +158,7 @@ class StreamEngine:
         # sharded state (engine/distributed.py): the host-state units' owners; this rank holds and updates its own
         self.owner: Dict[int, int] = {}
         if dp.active and cfg.engine.shard_state:
-            self.owner = state_owners(spec, placement, dp.world)
+            self.owner = state_owners(spec, n_resident, dp.world)
         self.my_streamed_units, self.my_host_units, self.disk_units = (
             [u for u in units if self.owns(u)] for units in (self.streamed_units, self.host_units, disk_units))
         self.store = HostStore(spec, pin=self.dev.cuda, grad_units=() if self.grads_on_gpu else self.my_host_units,
@@ -403,11 +403,11 @@ class StreamEngine:
             if owner is None:
                 self.dp.all_reduce_(acc.flat)
                 self._hand_off_grad(unit, acc, grad_hook, norms=self.dp.rank == 0)
-            elif owner == self.dp.rank:
-                self.dp.reduce_(acc.flat, owner)
+                return
+            self.dp.reduce_(acc.flat, owner)
+            if owner == self.dp.rank:
                 self._hand_off_grad(unit, acc, grad_hook)
-            else:
-                self.dp.reduce_(acc.flat, owner)
+            else:  # nothing reads this rank's copy after the reduce
                 acc.hand_off()
                 acc.read_queued(self.comm)
 
