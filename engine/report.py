@@ -39,6 +39,11 @@ def _median(rows, key):
     return statistics.median(vals) if vals else None
 
 
+def _peak(rows, key):
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return max(vals) if vals else None
+
+
 def _overrides(run_dir: Path) -> List[str]:
     path = run_dir / ".hydra" / "overrides.yaml"
     if not path.exists():
@@ -51,6 +56,13 @@ def run_row(run_dir: Path) -> dict:
     shape; `refused` or `error` when the run did not finish."""
     run_dir = Path(run_dir)
     row = {"run_dir": str(run_dir), "overrides": _overrides(run_dir)}
+    metrics_path = run_dir / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    steps = [s for s in steps if "loss" in s]
+    # the host memory of this process and of its children (torch.compile's workers) at each logged step, kept
+    # for a run that died too: the trail of a host out-of-memory kill
+    row.update({"steps_logged": len(steps), "host_rss_peak_logged_gib": _peak(steps, "host_mem_gib"),
+                "host_children_mem_gib": _peak(steps, "host_children_mem_gib")})
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         refused = run_dir / "refused.json"
@@ -60,9 +72,6 @@ def run_row(run_dir: Path) -> dict:
             row["error"] = "incomplete: no summary.json (the run crashed, was killed, or is still running)"
         return row
     summary = json.loads(summary_path.read_text())
-    metrics_path = run_dir / "metrics.jsonl"
-    steps = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-    steps = [s for s in steps if "loss" in s]
     timed = steps[1:] if len(steps) > 1 else steps
     cfg = summary["config"]
     t = cfg["train"]

@@ -102,6 +102,12 @@ def test_a_depth_truncated_run_is_labelled_and_extrapolated(tmp_path):
     assert row["full_depth_step_s_extrapolated"] > row["step_s"]
     assert row["layer_tflops"] > 0
     assert "DEPTH-TRUNCATED 2/4 layers" in table([row])
+    assert row["steps_logged"] == 3 and row["host_rss_peak_logged_gib"] > 0 and row["host_children_mem_gib"] >= 0
+    # a run killed before its summary (a host OOM kill) still shows the memory its steps logged
+    (run_dir / "summary.json").unlink()
+    killed = run_row(run_dir)
+    assert killed["error"].startswith("incomplete") and killed["steps_logged"] == 3
+    assert killed["host_rss_peak_logged_gib"] == row["host_rss_peak_logged_gib"]
 
 
 def test_sweep_report_refuses_a_missing_dir(tmp_path):

@@ -89,9 +89,9 @@ def hf_model(case: str):
     return model
 
 
-def make_spec(case: str) -> ModelSpec:
+def make_spec(case: str, device: str = "cpu") -> ModelSpec:
     spec = ModelSpec(case_cfg(case))
-    spec.set_layer_compute(LayerCompute(attention=resolve_attention("auto", "cpu", spec.arch.head_dim,
+    spec.set_layer_compute(LayerCompute(attention=resolve_attention("auto", device, spec.arch.head_dim,
                                                                     spec.sinks_or_window)))
     return spec
 
@@ -236,7 +236,7 @@ def test_bf16_autocast_within_hf_error(case, device):
     ours: 2 of 74 tokens, transformers: none, on CPU). So the flash-attention rule (at most twice transformers' own
     error under the same autocast) is applied per token at the 90th percentile of the per-token worst error, and at
     most 5% of tokens may be off by more than ten times transformers' median."""
-    spec, model = make_spec(case), hf_model(case)
+    spec, model = make_spec(case, device), hf_model(case)
     ids, labels = batch(case)
     model = model.to(device)
     params = [{k: v.detach().to(device) for k, v in p.items()} for p in our_params(spec, model)]

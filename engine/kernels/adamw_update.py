@@ -87,13 +87,15 @@ BLOCK_SIZE_RANGE = formats.BLOCK_SIZE_RANGE  # int8 block sizes: powers of two i
 # device copy rate; fewer than 8 elements per thread loses up to 0.2 with bf16 state). With int8 moments: one warp
 # per 256 elements of a block (8 per thread), a block never split across warps, so its absmax reduction stays in
 # the warp: 256 elements on 1 warp gave 0.66-0.67 (fp32 master) and 0.54 (bf16 master) against 0.55 and 0.49-0.50
-# for 1024 on 4 warps (adamw_update_h200_2026-12-04e.jsonl).
+# for 1024 on 4 warps (adamw_update_h200_2026-12-04e.jsonl). One integer max per block for the scale and its NaN
+# (`_block_scale`) instead of two float reductions: 0.67 (fp32 master) and 0.61 (bf16 master), from 0.66 and 0.57
+# (adamw_update_h200_2026-12-06.jsonl against -04f.jsonl).
 TILE_GPU = 1024
 NUM_WARPS_GPU = 4
 INT8_ELEMS_PER_WARP = 256
 MAX_WARPS = 16
 SWEEP_OVERRIDE: Optional[Tuple[int, int]] = None  # (tile, num_warps) for every format: benchmark sweeps only
-TILE_INTERPRET = 8192  # the interpreter pays per program
+TILE_INTERPRET = 65536  # the interpreter pays per program (a CPU test of the int8 format: 24 s at 8192, 14 s here)
 
 
 def _code_constants(e_bits: int, m_bits: int) -> tuple:
@@ -161,11 +163,11 @@ def _code_encode(x, SHIFT: tl.constexpr, HALF: tl.constexpr, CODE_BIAS: tl.const
 
 @triton.jit
 def _block_scale(val, TOP: tl.constexpr):
-    """Per-row absmax / TOP of [R, G, 8] values, NaN if a row holds a NaN (tl.max alone may drop it)."""
-    a = tl.abs(val)
-    amax = tl.max(tl.max(a, axis=2), axis=1)
-    has_nan = tl.max(tl.max((a != a).to(tl.int32), axis=2), axis=1) > 0
-    return tl.where(has_nan, float("nan"), tl.math.div_rn(amax, TOP))
+    """Per-row absmax / TOP of [R, G, 8] values, NaN if a row holds a NaN. One integer max over the bits of |val|
+    finds both: for non-negative floats the int32 order of the bits is the order of the values, and every NaN lies
+    above +inf (a float max may drop a NaN, which took a second reduction)."""
+    amax = tl.max(tl.max(tl.abs(val).to(tl.int32, bitcast=True), axis=2), axis=1).to(tl.float32, bitcast=True)
+    return tl.where(amax != amax, float("nan"), tl.math.div_rn(amax, TOP))
 
 
 @triton.jit

@@ -25,6 +25,14 @@ N_PRIME = 10007  # prime: no tile, block or Philox group divides it
 SEGMENTS = [(0, 3001, 0.1), (3001, 5000, 0.0), (8001, 2006, 0.05)]
 
 
+@pytest.fixture(autouse=True)
+def interpreter_tile_below_the_shapes(monkeypatch):
+    """The shapes here (N_PRIME, a 16384-element int8 block) are sized against an 8192-element interpreter tile, so
+    that one tensor crosses full and partial tiles and a block can exceed the tile; the engine's default interpreter
+    tile is larger (fewer programs, which the interpreter pays for)."""
+    monkeypatch.setattr(A, "TILE_INTERPRET", 8192)
+
+
 def bits(t):
     return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
@@ -148,6 +156,27 @@ def test_nonfinite_gradient_propagates():
     g[7] = float("inf")
     got, _ = run(A.adamw_update, state, [g], [(0, 100, 0.1)])
     assert torch.isnan(got["master"][[3, 7]]).all() and torch.isfinite(got["master"][8:]).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_nan_gradient_makes_its_int8_blocks_scales_nan_and_no_other(device):
+    """On the GPU a float max drops NaN; the kernel's integer max over the bits must not."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    n, block = 300, 64
+    state = make_state(n, seed=12, moments="int8", block_size=block)
+    g = grads(n, 1, seed=13)[0]
+    g[block + 5] = -float("nan")  # a NaN with its sign bit set, in the second block
+    st = {k: (t.to(device, copy=True) if isinstance(t, torch.Tensor) else t) for k, t in state.items()}
+    A.adamw_update(st["master"], st["m"], st["v"], g.to(device), lr=torch.tensor(LR, device=device),
+                   clip=torch.tensor(CLIP, device=device), step=1, segments=[(0, n, 0.1)], m_scales=st["m_scales"],
+                   v_scales=st["v_scales"], block_size=block, **HP)
+    ref, _ = run(adamw_update_reference, state, [g], [(0, n, 0.1)])
+    for name in ("m_scales", "v_scales"):
+        got = st[name].cpu()
+        assert torch.isnan(got[1]) and torch.isfinite(got[[0, 2, 3, 4]]).all(), name
+        torch.testing.assert_close(got, ref[name], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(bits(st["master"][:block].cpu()), bits(ref["master"][:block]))
 
 
 # ---------------------------------------------------------------------------------------------------------------
