@@ -55,7 +55,8 @@ Mixture-of-experts layers (engine/model/moe.py) count their router (h*E) and the
 (`mean_keys`).
 
 `6n_flops_per_token` = 6 * (all parameters, embeddings included; active parameters for MoE) is the figure other
-codebases (MegaTrain among them) report. It overcounts the embedding lookup and ignores attention; it is kept only for side-by-side comparison.
+codebases (MegaTrain among them) report. It overcounts the embedding lookup and ignores attention; it is kept only
+for side-by-side comparison.
 
 Costs
 -----

@@ -22,8 +22,9 @@ spent in this order:
 4. every layer's compute-dtype weights from forward to backward (saves the backward's H2D);
 5. gradients anyway (saves 4 B/param of host RAM).
 Any `engine.*` placement set explicitly overrides `auto` / -1. A plan that does not fit raises PlanError with the
-table and, where smaller state formats would fit, up to three of them (the most precise first) with their totals. The GPU figures are tensor memory (`allocated`, what `torch.cuda.max_memory_allocated` measures) plus a
-reserved margin for the allocator's fragmentation and the CUDA context that the budget keeps free.
+table and, where smaller state formats would fit, up to three of them (the most precise first) with their totals.
+The GPU figures are tensor memory (`allocated`, what `torch.cuda.max_memory_allocated` measures) plus a reserved
+margin for the allocator's fragmentation and the CUDA context that the budget keeps free.
 
 NVMe tier (`hardware.nvme_dir`, `hardware.nvme_gib`; engine/streaming/nvme.py). The Adam moments of the last
 `engine.nvme_units` host-updated decoder layers may live in a file on a local disk: host RAM keeps their master

@@ -6,9 +6,9 @@ transpose to [E, in, out]). Import: tiny random Qwen3-MoE and gpt-oss models wri
 `save_pretrained` (Qwen3-MoE: one matrix per expert on disk; gpt-oss: unquantized, under the in-memory names), one
 file and sharded, fp32 and bf16, into both engines: every master weight equals transformers' tensor. gpt-oss in
 MXFP4: a checkpoint whose experts this test encodes itself imports as exactly the encoded values (and as
-transformers decodes them), through the Trainer and into a depth-truncated run. Export: re-import is bit-exact in fp32 and
-transformers loads the files with the same state dict. Refusals: unsupported Qwen3-MoE layouts, a missing expert
-tensor, a foreign quantization, a NaN scale.
+transformers decodes them), through the Trainer and into a depth-truncated run. Export: re-import is bit-exact in
+fp32 and transformers loads the files with the same state dict. Refusals: unsupported Qwen3-MoE layouts, a
+missing expert tensor, a foreign quantization, a NaN scale.
 """
 
 from __future__ import annotations

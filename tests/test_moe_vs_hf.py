@@ -55,7 +55,8 @@ def hf_config(m):
     kw = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
               num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
               head_dim=m.head_dim, max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.rms_norm_eps,
-              tie_word_embeddings=m.tie_word_embeddings, rope_parameters=rope, num_experts_per_tok=m.num_experts_per_tok,
+              tie_word_embeddings=m.tie_word_embeddings, rope_parameters=rope,
+              num_experts_per_tok=m.num_experts_per_tok,
               router_aux_loss_coef=m.router_aux_loss_coef, attn_implementation="eager")
     if m.model_type == "qwen3_moe":
         return transformers.Qwen3MoeConfig(

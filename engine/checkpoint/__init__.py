@@ -33,9 +33,10 @@ re-exported here; file writing goes through engine/fileio.py (fsync, sha256, str
    `hf:` directory the run started from are copied along. A source is an engine (`EngineSource`, used by
    `train.export_hf=true` at the end of training into `<run dir>/hf`) or a training checkpoint (`CheckpointSource`:
    `python -m engine.checkpoint export <run dir | step dir> <out dir> [--dtype bf16|fp32] [--shard-gib 5]`, and
-   `train.export_hf=true` when the state is sharded over data-parallel ranks), which reads the master weights only. Tensors are converted one at a time while the shard is written: peak extra
-   memory is one tensor. Files are written under temporary names in `<out dir>.tmp/` and moved into place at the
-   end, the index and config last; an `<out dir>` that exists as a file is refused before anything is written.
+   `train.export_hf=true` when the state is sharded over data-parallel ranks), which reads the master weights
+   only. Tensors are converted one at a time while the shard is written: peak extra memory is one tensor. Files
+   are written under temporary names in `<out dir>.tmp/` and moved into place at the end, the index and config
+   last; an `<out dir>` that exists as a file is refused before anything is written.
 
 3. Training state. `save_training_state` writes
 
@@ -89,7 +90,8 @@ from engine.checkpoint.state import (CheckpointSource, find_resume, list_checkpo
                                      set_rng_state)
 from engine.fileio import sha256_file
 
-__all__ = ["CheckpointError", "CheckpointSource", "EngineSource", "LazyTensors", "SafetensorsFile", "check_hf_config", "export_hf",
+__all__ = ["CheckpointError", "CheckpointSource", "EngineSource", "LazyTensors", "SafetensorsFile", "check_hf_config",
+           "export_hf",
            "find_resume", "hf_config_dict", "hf_dir_of", "import_hf", "list_checkpoints", "load_training_state",
            "open_hf", "open_training_state", "rng_state", "run_fingerprint", "save_training_state", "set_rng_state",
            "sha256_file", "write_safetensors"]

@@ -32,8 +32,9 @@ compiler to scalar (one-element) accesses. When every address is 16-byte aligned
 8 elements (always true for `UnitLayout`, whose offsets are multiples of 64, and for tensors from the caching
 allocator), the table says `aligned` and the kernel is compiled with `tl.multiple_of` hints, so that full blocks
 can load and store in 16-byte vectors (`ld.global.v4` / `st.global.v4`; tail blocks stay scalar); otherwise a
-hint-free variant runs (correct, slower). BLOCK = 8192 elements, 4 warps: 64 elements per thread. Measured on an H100 (bench_grad_accum.py --sweep,
-2026-12-05): 8 warps reached only 0.76-0.86 of the copy rate on bf16 gradients, 4 warps 0.96-1.0 (fp32 0.99).
+hint-free variant runs (correct, slower). BLOCK = 8192 elements, 4 warps: 64 elements per thread. Measured on an
+H100 (bench_grad_accum.py --sweep, 2026-12-05): 8 warps reached only 0.76-0.86 of the copy rate on bf16 gradients,
+4 warps 0.96-1.0 (fp32 0.99).
 
 Norms: deterministic two-stage reduction
 ----------------------------------------

@@ -1,9 +1,9 @@
 """The NVMe tier: Adam moments of host-updated units in a file on a local disk instead of host RAM.
 
 When host RAM cannot hold the fp32 training state, the planner may put the m and v of the last N host-updated decoder
-layers (`engine.nvme_units`; `hardware.nvme_dir`, `hardware.nvme_gib`) in one file. The master weights stay in RAM (every
-forward streams them to the GPU), so each such unit costs 4 instead of 12 bytes per parameter of host RAM; the disk
-holds 8.
+layers (`engine.nvme_units`; `hardware.nvme_dir`, `hardware.nvme_gib`) in one file. The master weights stay in RAM
+(every forward streams them to the GPU), so each such unit costs 4 instead of 12 bytes per parameter of host RAM;
+the disk holds 8.
 
 Layout: unit by unit, m then v, each region padded to 4 KiB, so one unit is two sequential reads and two sequential
 writes per step. The file is preallocated (`posix_fallocate`: a full disk is refused before training starts) and
