@@ -585,6 +585,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks:
     layouts, L = s.layouts, s.L
     compute_tier = "gpu" if on_gpu else "host"
 
+    from engine.streaming.host_store import init_copies
     from engine.streaming.nvme import STAGING_BUFFERS, nvme_layers
     from engine.streaming.nvme import file_bytes as nvme_file_bytes
     from engine.streaming.slots import STAGING_ELEMS
@@ -681,6 +682,16 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks:
         if hw.host_process_gib:
             plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)",
                      int(hw.host_process_gib * GIB))
+        # start-up: the host masters are written while the other host buffers are not yet touched, but with a
+        # low-precision master each unit being initialised also holds an fp32 copy (HostStore); the plan's host
+        # figure is the larger of the two
+        held_numels = [layouts[u].numel for u in held]
+        copies = init_copies(fmt.master, held_numels)
+        startup = (sum(fmt.master_bytes(n) for n in held_numels) + copies * 4 * max(held_numels, default=0)
+                   + int(hw.host_process_gib * GIB))
+        if startup > plan.total("host"):
+            plan.add("host", f"start-up peak above the rest: fp32 copies of the {copies} units initialised at once "
+                     f"({fmt.master} master)", startup - plan.total("host"))
         return plan
 
     n_units = len(layouts)

@@ -201,3 +201,23 @@ def test_sharded_state_plans_the_fullest_ranks_share_of_the_host_state():
                                ("forward_h2d", 4 / (cfg.hardware.h2d_gbps * 1e9))):
         assert whole.times_s[phase] / 8 <= shard.times_s[phase] <= whole.times_s[phase] / 8 + layer * per_param_s
     assert shard.times_s["forward_h2d"] == pytest.approx(4 * fullest / (cfg.hardware.h2d_gbps * 1e9))
+
+
+def test_a_low_precision_master_plans_the_fp32_copies_it_is_drawn_in():
+    """HostStore draws a bf16 master in fp32, a few units at once (`init_copies`: at most 4, within 8 GiB of
+    copies, at least one); the host plan is the larger of that start-up and the steady state."""
+    from engine.streaming.host_store import init_copies
+
+    assert init_copies("fp32", [10**9]) == 0 and init_copies("bf16", []) == 0
+    assert init_copies("bf16", [10**6] * 3) == 3 and init_copies("bf16", [10**6] * 9) == 4
+    assert init_copies("bf16", [3 * 10**9, 10**6]) == 1  # a gpt-oss-120b layer: 12 GB a copy, one at a time
+    over = ["model=qwen7b", "engine=stream", "train.seq_len=1024", "train.micro_batch_size=1", "train.grad_accum=1",
+            "engine.gpu_resident_units=27", "engine.gpu_streamed_units=3", "hardware.host_process_gib=1.5"]
+    low = make_cfg([*over, "train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=bf16"])
+    spec = ModelSpec(low.model)
+    plan = build_plan(spec, low, gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False)
+    held = [u.layout.numel for u in spec.units[27:]]  # two layers and the head
+    startup = 2 * sum(held) + 3 * 4 * max(held) + int(1.5 * 2**30)
+    assert [r for r in plan.rows if "start-up peak" in r[1]] and plan.total("host") == startup
+    exact = build_plan(spec, make_cfg(over), gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False)
+    assert not [r for r in exact.rows if "start-up" in r[1]]  # an fp32 master is drawn in place

@@ -34,6 +34,22 @@ KIND_OF_STATE = {"master": "master", "m": "adam_m", "v": "adam_v", "m_scales": "
                  "v_scales": "adam_scales"}
 
 
+INIT_THREADS = 8
+LOW_PRECISION_INIT_SCRATCH_BYTES = 8 * 2**30  # fp32 copies of units being drawn at once, when the master is not fp32
+
+
+def init_copies(master_dtype: str, numels: Sequence[int]) -> int:
+    """How many units `HostStore` initialises at once when each holds an fp32 copy of its unit (a low-precision
+    master is drawn in fp32, then rounded): up to 4, as many as fit in 8 GiB of copies, at least one. 0 for an fp32
+    master (drawn in place). The planner counts the copies at start-up (engine/plan.py). Without the cap, four
+    gpt-oss-120b layers in flight hold 51 GB of fp32 beside their bf16 masters: the likely cause of the 4-layer run's
+    host peak of 63 GiB against a 40 GiB plan (H200, 2026-12-06)."""
+    if master_dtype == "fp32" or not numels:
+        return 0
+    per_copy = 4 * max(numels)
+    return max(1, min(4, len(numels), LOW_PRECISION_INIT_SCRATCH_BYTES // max(per_copy, 1)))
+
+
 def init_master(spec: ModelSpec, unit, flat: torch.Tensor, seed: int) -> None:
     """A unit's initial weights into its flat master (host or GPU): drawn in fp32, rounded to nearest into a bf16
     master; the alignment padding between tensors zero."""
@@ -47,7 +63,7 @@ def init_master(spec: ModelSpec, unit, flat: torch.Tensor, seed: int) -> None:
 class HostStore:
     def __init__(self, spec: ModelSpec, pin: bool, grad_units: Sequence[int], grad_staging: int,
                  host_activation_numel: int, seed: int, host_units: Optional[Sequence[int]] = None,
-                 streamed_units: Sequence[int] = (), init_threads: int = 8, fmt: Optional[StateFormat] = None,
+                 streamed_units: Sequence[int] = (), fmt: Optional[StateFormat] = None,
                  disk_units: Sequence[int] = (), grad_dtype: torch.dtype = torch.float32):
         """`host_units`: the units whose state lives here (default all); the others get empty placeholders (their
         state lives in GPU memory, owned by the engine). `grad_units`: the units whose gradients wait here for the
@@ -102,10 +118,11 @@ class HostStore:
             t.zero_()
             self._pin(t)
 
-        if self.fmt.master != "fp32":  # each thread holds an fp32 copy of the unit it initialises
-            init_threads = min(init_threads, 4)
+        to_init = [u for u in spec.units if u.index in self.host_units]
+        # with a low-precision master each thread holds an fp32 copy of the unit it initialises
+        init_threads = init_copies(self.fmt.master, [u.layout.numel for u in to_init]) or INIT_THREADS
         with ThreadPoolExecutor(max_workers=init_threads) as pool:
-            list(pool.map(init_unit, [u for u in spec.units if u.index in self.host_units]))
+            list(pool.map(init_unit, to_init))
             list(pool.map(touch_and_pin, to_pin))
 
     def _alloc(self, kind: str, numel: int, zero: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
