@@ -679,16 +679,16 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks:
                      ring_bytes + s.own_slot_bytes(n_res))
         if on_gpu:
             plan.reserve("gpu", "allocator margin + CUDA context (reserved, not allocated)", int(margin_gib * GIB))
-        if hw.host_process_gib:
-            plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)",
-                     int(hw.host_process_gib * GIB))
+        process_bytes = int(hw.host_process_gib * GIB)
+        if process_bytes:
+            plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)", process_bytes)
         # start-up: the host masters are written while the other host buffers are not yet touched, but with a
         # low-precision master each unit being initialised also holds an fp32 copy (HostStore); the plan's host
         # figure is the larger of the two
         held_numels = [layouts[u].numel for u in held]
         copies = init_copies(fmt.master, held_numels)
         startup = (sum(fmt.master_bytes(n) for n in held_numels) + copies * 4 * max(held_numels, default=0)
-                   + int(hw.host_process_gib * GIB))
+                   + process_bytes)
         if startup > plan.total("host"):
             plan.add("host", f"start-up peak above the rest: fp32 copies of the {copies} units initialised at once "
                      f"({fmt.master} master)", startup - plan.total("host"))

@@ -34,14 +34,17 @@ from omegaconf import OmegaConf
 from engine.metrics import count_params, model_flops_per_token
 
 
+def _numbers(rows, key) -> list:
+    return [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+
+
 def _median(rows, key):
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    vals = _numbers(rows, key)
     return statistics.median(vals) if vals else None
 
 
 def _peak(rows, key):
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-    return max(vals) if vals else None
+    return max(_numbers(rows, key), default=None)
 
 
 def _overrides(run_dir: Path) -> List[str]:

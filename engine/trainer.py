@@ -175,12 +175,13 @@ class Trainer:
         self.layer_compute = layer_compute(self.spec, cfg, self.device)  # an attention backend that cannot run
         gpu_gib = hardware.apply_gpu_cap(cfg.hardware, self.device) if self.device.type == "cuda" else 0.0
         host_gib = (cfg.hardware.host_mem_gib or host_mem_total_gib()) / self.dp.local_world
-        sharded = self.dp.active and cfg.engine.name == "stream" and cfg.engine.shard_state
+        # the host state sharded over the data-parallel ranks (engine/distributed.py): no rank holds every unit
+        self.sharded = self.dp.active and cfg.engine.name == "stream" and cfg.engine.shard_state
         self.plan = build_plan(self.spec, local_cfg, gpu_gib, host_gib, self.device.type == "cuda",
-                               state_ranks=self.dp.world if sharded else 1)
+                               state_ranks=self.dp.world if self.sharded else 1)
         # the units whose state this rank holds (engine/distributed.py): it verifies and loads their files only
         owner = distributed.state_owners(self.spec, self.plan.placement.get("gpu_resident_units", 0),
-                                         self.dp.world) if sharded else {}
+                                         self.dp.world) if self.sharded else {}
         self.depth_truncated = depth_truncated(local_cfg, full_depth_layers, gpu_gib, host_gib,
                                                self.device.type == "cuda")
         with _refusals_named(f"data={cfg.data.name}" + (f" data.path={cfg.data.path}" if cfg.data.path else "")):
@@ -202,7 +203,7 @@ class Trainer:
         self.log(f"run dir: {self.run_dir}")
         if self.dp.active:
             mine = [u for u in sorted(owner) if owner[u] == self.dp.rank]
-            held = f"this rank holds the host state of units {mine}" if sharded else \
+            held = f"this rank holds the host state of units {mine}" if self.sharded else \
                 "every rank holds the whole training state"
             self.log(f"data parallel: rank {self.dp.rank} of {self.dp.world}, micro-batches "
                      f"{self.dp.micro_batches(t.grad_accum).start}..{self.dp.micro_batches(t.grad_accum).stop - 1} "
@@ -354,24 +355,22 @@ class Trainer:
                     stopped = {"reason": "a signal to another data-parallel rank"}
                 if signals.received:
                     stopped = {"reason": signal.Signals(signals.received).name, "signal": int(signals.received)}
-                if stopped is not None or t.checkpoint_every:
+                export = stopped is None and t.export_hf
+                # with sharded state the export reads the final checkpoint, saved for it if not anyway
+                if stopped is not None or t.checkpoint_every or (export and self.sharded):
                     path = self._save(step, span_tokens)
                     if stopped is not None:
                         stopped.update(step=step, checkpoint=str(path))
                         self.log(f"stopped at step {step} ({stopped['reason']}); resume with train.resume=auto "
                                  f"hydra.run.dir={self.run_dir}")
-                if stopped is None and t.export_hf:
-                    # with sharded state no rank holds every unit: the export reads the final checkpoint
-                    sharded = bool(getattr(self.engine, "owner", None))
-                    path = self._save(step, span_tokens) if sharded else None
-                    if self.dp.rank == 0:
-                        dtype = torch.bfloat16 if t.export_dtype == "bf16" else torch.float32
-                        source = checkpoint.CheckpointSource(path) if sharded else \
-                            checkpoint.EngineSource(self.engine, self.cfg.model.init)
-                        try:
-                            summary_extra["export_hf"] = checkpoint.export_hf(source, self.run_dir / "hf", dtype)
-                        finally:
-                            source.close()
+                if export and self.dp.rank == 0:
+                    dtype = torch.bfloat16 if t.export_dtype == "bf16" else torch.float32
+                    source = checkpoint.CheckpointSource(path) if self.sharded else \
+                        checkpoint.EngineSource(self.engine, self.cfg.model.init)
+                    try:
+                        summary_extra["export_hf"] = checkpoint.export_hf(source, self.run_dir / "hf", dtype)
+                    finally:
+                        source.close()
             summary_extra["skipped_steps"] = self.engine.skipped_steps
             if self.dp.active:  # each rank's peak memory, in rank 0's summary too
                 peaks = self.dp.gather({"rank": self.dp.rank, "host_gib": host_peak_rss_gib(),
