@@ -22,6 +22,12 @@ step is made of, each the median of `--repeats` timed repetitions after `--warmu
      as 4 head forwards (the forward, the chunked loss's recompute and a backward of two).
    FLOPs are model FLOPs (`engine.metrics.model_flops_per_token`), the same count the planner divides by these
    rates, so a rate here is exactly what the planner needs, whatever the kernels do underneath.
+   The layer figures are of the layer's FLOPs other than attention's, over the layer's time less its attention's
+   (the attention alone at the same shape and window, timed as below, subtracted), because attention's rate
+   depends on the length and the rest's does not:
+   - the attention kernel alone (the backend the layer uses, full causal, one sequence of `--attn-seq-len`
+     tokens, the model's heads): forward without autograd -> `attn_fwd_tflops`; forward with autograd and the
+     gradients of q, k and v -> `attn_bwd_tflops`, counted as 3 forwards; with `attn_backend` and `attn_seq_len`.
 2. PCIe: `--copy-gib` from page-locked host memory (plain memory registered with cudaHostRegister, as the host
    store pins its arena) to the device -> `h2d_gbps`, back -> `d2h_gbps`, and both at once on two streams ->
    `bidir_gbps` (the bytes of both directions over the time of the pair). GB here is 1e9 bytes.
@@ -75,9 +81,9 @@ from omegaconf.errors import OmegaConfBaseException
 from engine.config import ATTENTION_BACKENDS, CONF_DIR, ConfigError, ModelConfig, TrainConfig
 from engine.device import autocast_ctx, pin_host, resolve_compute_dtype, unpin_host
 from engine.fileio import atomic_write
-from engine.metrics import child_processes_rss_gib, host_rss_gib, model_flops_per_token, run_environment
+from engine.metrics import child_processes_rss_gib, host_rss_gib, mean_keys, model_flops_per_token, run_environment
 from engine.model import ModelSpec, Unit
-from engine.model.attention import resolve_attention
+from engine.model.attention import causal_attention, resolve_attention
 from engine.model.dense import LayerCompute
 from engine.optim import make_adamw
 
@@ -109,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the head as the run computes it (train.fused_loss; auto: fused on CUDA)")
     ap.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
                     help="the layer's attention backend (train.attention; default: auto, what a run picks)")
+    ap.add_argument("--attn-seq-len", type=int, default=32768,
+                    help="tokens of the one sequence the attention figures are measured at (default: 32768)")
     ap.add_argument("--copy-gib", type=float, default=1.0, help="GiB per PCIe copy (default: 1)")
     ap.add_argument("--adam-gparams", type=float, default=0.5,
                     help="billions of fp32 elements of the host AdamW parameter (default: 0.5, 8 GB of state)")
@@ -141,6 +149,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dic
         _require(parser, mode in MODES, f"--modes: {mode!r} is not a mode; choose from {', '.join(MODES)}")
     _require(parser, len(set(args.mode_list)) == len(args.mode_list), f"--modes {args.modes!r} repeats a mode")
     for flag, value, minimum in (("--micro-batch", args.micro_batch, 1), ("--seq-len", args.seq_len, 1),
+                                 ("--attn-seq-len", args.attn_seq_len, 1),
                                  ("--repeats", args.repeats, 1), ("--warmup", args.warmup, 1)):
         _require(parser, value >= minimum, f"{flag} {value} must be an integer >= {minimum}")
     for flag, value in (("--copy-gib", args.copy_gib), ("--adam-gparams", args.adam_gparams)):
@@ -232,12 +241,59 @@ def bind_unit(spec: ModelSpec, unit: Unit, device: torch.device, compute_dtype: 
     return {k: v.detach().requires_grad_() for k, v in views.items()} if leaf else views
 
 
+def attention_timer(spec: ModelSpec, backend: str, batch: int, seq_len: int, window: int | None,
+                    device: torch.device, compute_dtype: torch.dtype) -> tuple[float, Callable, Callable]:
+    """(model FLOPs of one forward, forward, forward + backward) of the attention kernel alone on random q, k, v
+    of the model's heads in the compute dtype (sinks of 0 where the model has them)."""
+    a = spec.arch
+    gen = torch.Generator(device="cpu").manual_seed(INIT_SEED)
+    q, k, v = (torch.randn(batch, heads, seq_len, a.head_dim, generator=gen).to(device, compute_dtype)
+               for heads in (a.heads, a.kv_heads, a.kv_heads))
+    dout = torch.randn(batch, seq_len, a.heads * a.head_dim, generator=gen).to(device, compute_dtype)
+    sinks = torch.zeros(a.heads, device=device) if getattr(a, "sinks", False) else None
+    flops = 4 * a.heads * a.head_dim * mean_keys(seq_len, window) * batch * seq_len
+
+    def forward() -> None:
+        with torch.no_grad():
+            causal_attention(q, k, v, backend, window, sinks)
+
+    def backward() -> None:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        torch.autograd.grad(causal_attention(*leaves, backend, window, sinks), leaves, grad_outputs=dout)
+
+    return flops, forward, backward
+
+
+def measure_attention(model_cfg: DictConfig, args: argparse.Namespace, device: torch.device,
+                      compute_dtype: torch.dtype) -> tuple[dict, dict]:
+    """The attention kernel at the calibration's layer shape -> (flops and seconds, forward and backward, that the
+    layer figures subtract), and at one sequence of `--attn-seq-len` tokens -> the profile's attention figures."""
+    spec = ModelSpec(model_cfg)
+    backend = resolve_attention(args.attention, device.type, spec.arch.head_dim, spec.sinks_or_window)
+    on_device = device.type == "cuda"
+    flops, forward, backward = attention_timer(spec, backend, args.micro_batch, args.seq_len, spec.layer_windows[0],
+                                               device, compute_dtype)
+    in_layer = {"flops": flops, "fwd": median_s(forward, args, on_device, "attention fwd (layer shape)"),
+                "bwd": median_s(backward, args, on_device, "attention bwd (layer shape)")}
+    flops, forward, backward = attention_timer(spec, backend, 1, args.attn_seq_len, None, device, compute_dtype)
+    figures = {"attn_fwd_tflops": flops / median_s(forward, args, on_device, "attention fwd") / 1e12,
+               "attn_bwd_tflops": 3 * flops / median_s(backward, args, on_device, "attention bwd") / 1e12}
+    log(f"attention {backend} at 1 x {args.attn_seq_len}: fwd {figures['attn_fwd_tflops']:.2f} TFLOP/s, "
+        f"fwd + bwd {figures['attn_bwd_tflops']:.2f} TFLOP/s; at the layer's shape {in_layer['fwd'] * 1e3:.2f} + "
+        f"{in_layer['bwd'] * 1e3:.2f} ms")
+    if on_device:
+        torch.cuda.empty_cache()
+    return in_layer, {**figures, "attn_backend": backend, "attn_seq_len": args.attn_seq_len}
+
+
 def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, device: torch.device,
-                 compute_dtype: torch.dtype) -> dict[str, float]:
+                 compute_dtype: torch.dtype, attention: dict) -> dict[str, float]:
+    """The layer's figures without its attention (`attention`: its flops and seconds at this shape) and the
+    head's."""
     spec = ModelSpec(model_cfg)
     # the attention backend a run picks (train.attention), at the calibration's length: unchunked
-    spec.set_layer_compute(LayerCompute(attention=resolve_attention(args.attention, device.type,
-                                                                    spec.arch.head_dim)))
+    spec.set_layer_compute(LayerCompute(attention=resolve_attention(args.attention, device.type, spec.arch.head_dim,
+                                                                    spec.sinks_or_window)))
     if mode == "compiled":
         log("compiled: each measurement's first call compiles what it runs (seconds each on an H200)")
         spec.compile_templates()
@@ -281,12 +337,18 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
         torch.autograd.grad(loss, [x_in] + [head_p[n] for n in head_names] + ([tied_w] if spec.tied else []))
 
     out = {}
-    for name, fn, n_flops in (("fwd", forward, layer_fwd_flops), ("bwd", backward, 3 * layer_fwd_flops),
-                              ("head", head, head_flops)):
+    other_flops = layer_fwd_flops - attention["flops"]
+    for name, fn, n_flops, attn_s in (("fwd", forward, other_flops, attention["fwd"]),
+                                      ("bwd", backward, 3 * other_flops, attention["bwd"]),
+                                      ("head", head, head_flops, 0.0)):
         seconds = median_s(fn, args, on_device, f"{mode} {name}")
-        out[f"{name}_tflops_{mode}"] = n_flops / seconds / 1e12
+        if seconds <= attn_s:
+            raise RuntimeError(f"{mode} {name}: the layer took {seconds * 1e3:.3f} ms, its attention alone "
+                               f"{attn_s * 1e3:.3f} ms; no time is left for the rest of the layer (a timing this "
+                               "noisy cannot calibrate: raise --repeats or the layer's tokens)")
+        out[f"{name}_tflops_{mode}"] = n_flops / (seconds - attn_s) / 1e12
         log(f"{mode:8} {name:4} {seconds * 1e3:9.2f} ms  {out[f'{name}_tflops_{mode}']:8.2f} TFLOP/s "
-            f"({n_flops / 1e12:.3f} TFLOP)")
+            f"({n_flops / 1e12:.3f} TFLOP{', attention excluded' if attn_s else ''})")
     return out
 
 
@@ -430,7 +492,7 @@ def write_profile(args: argparse.Namespace, figures: dict[str, float], not_measu
                   calibration: str) -> None:
     """The base profile with `figures` replaced or added (figures of `not_measured` are 0), one field per line."""
     profile = dict(args.base_profile)
-    profile.update({k: _rounded(v) for k, v in figures.items()})
+    profile.update({k: _rounded(v) if isinstance(v, float) else v for k, v in figures.items()})
     profile["calibration"] = calibration
     measured = [k for k in figures if k not in not_measured]
     header = [f"# Written by bench/calibrate.py ({calibration}).",
@@ -455,9 +517,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"{args.seq_len} tokens in {str(compute_dtype).removeprefix('torch.')}, modes {', '.join(args.mode_list)}, "
         f"attention {args.attention}; "
         f"median of {args.repeats} after {args.warmup} warm-up")
-    figures: dict[str, float] = {}
+    attention, figures = measure_attention(model_cfg, args, device, compute_dtype)
     for mode in args.mode_list:
-        figures.update(measure_mode(model_cfg, mode, args, device, compute_dtype))
+        figures.update(measure_mode(model_cfg, mode, args, device, compute_dtype, attention))
         if cuda:
             torch.cuda.empty_cache()
 

@@ -10,6 +10,7 @@
 #   bash bench/gpu_session.sh nvmeab   # issue 7: qwen7b fp32 with the moments of 0 and 4 layers on disk (H100 too)
 #   bash bench/gpu_session.sh attnab   # issue 5: Triton vs SDPA in the compiled qwen7b layer at 32K
 #   bash bench/gpu_session.sh dptests dp9   # issue 9, on a multi-GPU kind: 2 GPUs == 1 (NCCL), then 1..8 GPUs
+#   bash bench/gpu_session.sh calibrate ctxsweep   # issue 5: qwen7b 4K-128K, one sequence a step, rows + plot
 #   bash bench/gpu_session.sh ctx512; WAIT_S=560 bash bench/gpu_session.sh ctx512wait   # issue 5: qwen7b at 512K
 #     (H200), in its own process session: call ctx512wait again in back-to-back calls until the run ends
 #   bash bench/gpu_session.sh calibrate compare3b streamtests planner17 perf17 kept17   # issue 17 (calibrate
@@ -91,6 +92,11 @@ for stage in "$@"; do
                tests/test_distributed.py > "$OUT/gpu_dp_tests.log" 2>&1; tail -6 "$OUT/gpu_dp_tests.log" ;;
     dp9) timeout 580 python3 bench/bench_engine.py --grid dp9 --out "$OUT/engine.jsonl" --workdir /tmp/bench \
            --timeout-s 200 2>&1 | tail -6 ;;  # issue 9: scaling over the GPUs of a multi-GPU kind
+    ctxsweep) timeout 540 python3 bench/bench_engine.py --grid ctxsweep5 --out "$OUT/engine.jsonl" \
+                --workdir /tmp/bench --timeout-s 240 2>&1 | tail -6
+              python3 -m engine.report /tmp/bench/qwen7b-stream-sweep*/ --jsonl "$OUT/context_sweep.jsonl" \
+                --png "$OUT/context_sweep.png" 2>&1 | tail -8
+              tar czf "$OUT/sweep_rundirs.tgz" -C /tmp/bench $(cd /tmp/bench && ls -d qwen7b-stream-sweep*) ;;
     moetests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 100 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
                 tests/test_moe_vs_hf.py tests/test_hf_moe.py > "$OUT/gpu_moe_tests.log" 2>&1
               tail -6 "$OUT/gpu_moe_tests.log" ;;

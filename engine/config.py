@@ -172,13 +172,21 @@ class HardwareConfig:
     host_mem_gib: float = 0.0  # host RAM the run may use; 0: the machine's MemTotal
     # Measured by bench/calibrate.py on the machine (the planner's time model; 0: unknown). TFLOPS count model FLOPs
     # (engine/metrics.py) of one decoder layer's forward, its backward (recompute included: 3x the forward's FLOPs)
-    # and the head's forward + backward, with compiled or eager templates.
+    # and the head's forward + backward, with compiled or eager templates. With attention figures (below) the layer
+    # figures cover the layer's FLOPs other than attention's (the layer's time less its attention's); without, all.
     fwd_tflops_compiled: float = 0.0
     bwd_tflops_compiled: float = 0.0
     head_tflops_compiled: float = 0.0
     fwd_tflops_eager: float = 0.0
     bwd_tflops_eager: float = 0.0
     head_tflops_eager: float = 0.0
+    # The attention kernel alone (causal, full, one sequence of attn_seq_len tokens, backend attn_backend): its
+    # model FLOPs (QK^T and PV) per second forward, and forward + backward counted as 3 forwards. Attention's rate
+    # grows with length while the rest of the layer's does not: the planner times the two parts apart.
+    attn_backend: str = ""  # sdpa | triton | flash_attn; "" (with the figures 0): not calibrated
+    attn_seq_len: int = 0
+    attn_fwd_tflops: float = 0.0
+    attn_bwd_tflops: float = 0.0
     h2d_gbps: float = 0.0  # pinned host->device, alone
     d2h_gbps: float = 0.0  # pinned device->host, alone
     bidir_gbps: float = 0.0  # both directions at once, total
@@ -635,8 +643,10 @@ def _validate_train(cfg: DictConfig) -> None:
 
 TFLOPS_FIGURES = tuple(f"{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd", "head"))
 TRANSFER_FIGURES = ("h2d_gbps", "d2h_gbps", "bidir_gbps", "cpu_adam_gparams_per_s", "cpu_adam_gparams_per_s_under_pcie")
+ATTENTION_FIGURES = ("attn_fwd_tflops", "attn_bwd_tflops")
 HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
-                    "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES, *TRANSFER_FIGURES)
+                    "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES, *ATTENTION_FIGURES,
+                    *TRANSFER_FIGURES)
 
 
 def _validate_hardware(cfg: DictConfig) -> None:
@@ -653,6 +663,19 @@ def _validate_hardware(cfg: DictConfig) -> None:
             raise ConfigError(f"hardware.{missing[0]}={hw[missing[0]]} while hardware.{known[0]}={hw[known[0]]}: "
                               f"the {mode} figures are used together; set all of {', '.join(mode_keys)} "
                               "(bench/calibrate.py measures them) or none")
+    _choice("hardware.attn_backend", hw.attn_backend, ("", *ATTENTION_BACKENDS[1:]))
+    _positive("hardware.attn_seq_len", hw.attn_seq_len, 0)
+    if any(hw[k] > 0 for k in ATTENTION_FIGURES):
+        if min(hw[k] for k in ATTENTION_FIGURES) <= 0 or hw.attn_seq_len < 1 or not hw.attn_backend:
+            raise ConfigError(f"hardware.attn_fwd_tflops={hw.attn_fwd_tflops}, hardware.attn_bwd_tflops="
+                              f"{hw.attn_bwd_tflops}, hardware.attn_seq_len={hw.attn_seq_len}, hardware.attn_backend="
+                              f"{hw.attn_backend!r}: the attention figures are used together; set both rates > 0, "
+                              f"the length >= 1 and the backend one of {', '.join(ATTENTION_BACKENDS[1:])} "
+                              "(bench/calibrate.py measures them), or both rates to 0")
+        if not any(hw[k] > 0 for k in TFLOPS_FIGURES):
+            raise ConfigError(f"hardware.attn_fwd_tflops={hw.attn_fwd_tflops}, hardware.attn_bwd_tflops="
+                              f"{hw.attn_bwd_tflops} without layer figures: they time a layer's attention beside its "
+                              "other FLOPs (hardware.fwd_tflops_<mode>, bench/calibrate.py measures both)")
     if any(hw[k] > 0 for k in TFLOPS_FIGURES):
         for key in TRANSFER_FIGURES:
             _real(f"hardware.{key}", hw[key], 0, low_open=True,

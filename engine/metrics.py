@@ -164,6 +164,7 @@ def model_flops_per_token(model_cfg, seq_len: int) -> Dict[str, int]:
         "attn_flops_per_token": 3 * attn_forward,
         "6n_flops_per_token": 6 * count_params(model_cfg, active=True),
         "layer_forward_flops_per_token": 2 * layer_matmul_params + attn_forward // n_layers,
+        "layer_attention_forward_flops_per_token": attn_forward // n_layers,
         "head_forward_flops_per_token": 2 * vocab * h,
     }
 

@@ -64,7 +64,8 @@ from typing import Dict, List, Optional, Tuple
 from engine.distributed import state_owners
 from engine.formats import StateFormat, all_formats
 from engine.metrics import model_flops_per_token
-from engine.model.attention import HAVE_FLASH_ATTN
+from engine.config import ConfigError
+from engine.model.attention import HAVE_FLASH_ATTN, resolve_attention
 from engine.model import moe
 from engine.model.dense import resolve_mlp_chunk_tokens
 
@@ -282,6 +283,7 @@ class _Shape:
                        loss_activation_bytes(spec, self.mb_tokens, self.compute_bytes, fused))
         flops = model_flops_per_token(cfg.model, t.seq_len)
         self.layer_fwd_flops = flops["layer_forward_flops_per_token"] * self.step_tokens
+        self.layer_attn_fwd_flops = flops["layer_attention_forward_flops_per_token"] * self.step_tokens
         # the head: forward + backward (2x); the chunked torch chain also recomputes the logits in its backward
         self.head_flops = (3 if fused else 4) * flops["head_forward_flops_per_token"] * self.step_tokens
 
@@ -341,11 +343,11 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> Memory
     if hw.host_process_gib:
         plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)",
                  int(hw.host_process_gib * GIB))
-    sp = Speeds(hw, runs_compiled(cfg, on_gpu))
+    sp = Speeds(hw, runs_compiled(cfg, on_gpu), run_attention(spec, cfg, on_gpu))
     if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0
-        plan.times_s = {"forward": s.L * s.layer_fwd_flops / sp.fwd, "head": s.head_flops / sp.head,
-                        "backward": s.L * (2 + recompute) * s.layer_fwd_flops / sp.bwd,
+        plan.times_s = {"forward": s.L * sp.layer_fwd_s(s), "head": s.head_flops / sp.head,
+                        "backward": s.L * sp.layer_bwd_s(s, 2 + recompute),
                         "optimizer": fmt.update_hbm_bytes(n) / HBM_ADAMW_BYTES_PER_S}
         plan.times_s["step"] = sum(plan.times_s.values()) + STEP_OVERHEAD_S
         plan.binding = "GPU compute"
@@ -355,20 +357,60 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> Memory
 
 class Speeds:
     """The profile's calibrated figures (bench/calibrate.py) for the mode the run executes in: compiled templates or
-    eager. `known` is false when the profile has none for that mode (no time prediction, no split search)."""
+    eager. `known` is false when the profile has none for that mode (no time prediction, no split search).
 
-    def __init__(self, hw, compiled: bool):
+    A layer's time is its attention FLOPs at the attention rates plus its other FLOPs at the layer rates when the
+    profile has attention figures; without them the layer rates time all of it, which is right only near the
+    calibration's length (at 32K tokens per sequence qwen7b's attention is a third of its FLOPs and runs at about
+    60% of the matmuls' rate: one rate fitted at 4K made the step 17% short there). `attention`: the run's backend,
+    named in `describe` when it is not the one the attention figures were measured with."""
+
+    def __init__(self, hw, compiled: bool, attention: str = ""):
         mode = "compiled" if compiled else "eager"
         self.mode = mode
         self.fwd, self.bwd, self.head = (hw[f"{k}_tflops_{mode}"] * 1e12 for k in ("fwd", "bwd", "head"))
+        self.attn_fwd, self.attn_bwd = hw.attn_fwd_tflops * 1e12, hw.attn_bwd_tflops * 1e12
+        self.attn_calibrated = min(self.attn_fwd, self.attn_bwd) > 0
+        self.attention = attention
         self.h2d, self.d2h, self.bidir = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9, hw.bidir_gbps * 1e9
         # the host AdamW always runs while the forward streams, so its rate under PCIe load is the one used
         self.adam_pcie = hw.cpu_adam_gparams_per_s_under_pcie * 1e9
         self.nvme = hw.nvme_gbps * 1e9  # 0: unknown, the tier's I/O is not timed
         self.known = min(self.fwd, self.bwd, self.head) > 0
 
+    def layer_fwd_s(self, s: "_Shape", forwards: int = 1) -> float:
+        """Seconds of `forwards` forwards of one layer over the step's tokens, run without autograd."""
+        if not self.attn_calibrated:
+            return forwards * s.layer_fwd_flops / self.fwd
+        other = s.layer_fwd_flops - s.layer_attn_fwd_flops
+        return forwards * (other / self.fwd + s.layer_attn_fwd_flops / self.attn_fwd)
+
+    def layer_bwd_s(self, s: "_Shape", forwards: int) -> float:
+        """Seconds of one layer's backward work worth `forwards` forwards of FLOPs (3: a forward with autograd, then
+        the backward's two; 2 for a kept graph), at the backward rates."""
+        if not self.attn_calibrated:
+            return forwards * s.layer_fwd_flops / self.bwd
+        other = s.layer_fwd_flops - s.layer_attn_fwd_flops
+        return forwards * (other / self.bwd + s.layer_attn_fwd_flops / self.attn_bwd)
+
     def describe(self, hw) -> str:
-        return f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"
+        line = f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"
+        if not self.attn_calibrated:
+            return line + "; attention timed at the layer's rate (no attention figures)"
+        line += f"; attention at its own rates ({hw.attn_backend}, measured at {hw.attn_seq_len} tokens)"
+        if self.attention and self.attention != hw.attn_backend:
+            line += f", but this run's attention is {self.attention}"
+        return line
+
+
+def run_attention(spec, cfg, on_gpu: bool) -> str:
+    """The attention backend the run will resolve to (engine/model/attention.py), or the asked-for name when it
+    cannot run here (the trainer refuses that run; a plan still prints)."""
+    try:
+        return resolve_attention(cfg.train.attention, "cuda" if on_gpu else "cpu", spec.arch.head_dim,
+                                 spec.sinks_or_window)
+    except ConfigError:
+        return cfg.train.attention
 
 
 def runs_compiled(cfg, on_gpu: bool) -> bool:
@@ -410,7 +452,7 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     place = ["resident" if u < n_res else "streamed" if u < n_res + n_str else "host" for u in range(n_units)]
     link_each = min(sp.h2d, sp.d2h, sp.bidir / 2)  # each direction's rate while both stream
     layer_input_bytes = 4 * s.h * s.step_tokens  # one layer's kept inputs, all micro-batches
-    compute = [s.layer_fwd_flops / sp.fwd if 1 <= u <= s.L else 0.0 for u in range(n_units)]
+    compute = [sp.layer_fwd_s(s) if 1 <= u <= s.L else 0.0 for u in range(n_units)]
     first_kept = s.L - placement.get("keep_activation_layers", 0) + 1  # layers from here on keep their graphs
     g = placement["recompute_group"]
     kept_inputs = kept_layer_inputs(s.L, s.L + 1 - first_kept, g)
@@ -470,12 +512,12 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     bwd_compute, bwd_h2d, bwd_d2h = 0.0, [0.0] * ranks, [0.0] * ranks
     for u in range(1, s.L + 1):
         kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
-        layer_compute = (2 if kept else 3) * s.layer_fwd_flops / sp.bwd
+        layer_compute = sp.layer_bwd_s(s, 2 if kept else 3)
         h2d = [0.0] * ranks
         h2d[link[u]] = 0.0 if kept else weights_in(u)
         if not kept and (u % g == 0 or u == first_kept - 1):  # the last layer of its group: regenerate the group
             others = range(u - (u - 1) % g, u)  # the layers from the one reading the kept input up to u - 1
-            layer_compute += len(others) * s.layer_fwd_flops / sp.fwd
+            layer_compute += sp.layer_fwd_s(s, len(others))
             for v in others:
                 h2d[link[v]] += weights_in(v)
             for q in range(ranks):
@@ -581,7 +623,7 @@ def choose_split(s: _Shape, sp: Speeds, candidates: List[Tuple[dict, float]]) ->
 def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks: int = 1) -> MemoryPlan:
     e, hw = cfg.engine, cfg.hardware
     s = _Shape(spec, cfg, on_gpu, fmt, state_ranks)
-    sp = Speeds(hw, runs_compiled(cfg, on_gpu))
+    sp = Speeds(hw, runs_compiled(cfg, on_gpu), run_attention(spec, cfg, on_gpu))
     layouts, L = s.layouts, s.L
     compute_tier = "gpu" if on_gpu else "host"
 

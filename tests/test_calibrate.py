@@ -9,12 +9,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from engine.config import HardwareConfig
+from engine.config import HardwareConfig, ModelConfig
+from engine.metrics import model_flops_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = ROOT / "conf" / "hardware" / "h200.yaml"
-TINY = ["--model", "tiny", "--micro-batch", "1", "--seq-len", "64", "--modes", "eager", "--adam-gparams", "0.001",
-        "--repeats", "2", "--warmup", "1"]
+TINY = ["--model", "tiny", "--micro-batch", "1", "--seq-len", "64", "--attn-seq-len", "96", "--modes", "eager",
+        "--adam-gparams", "0.001", "--repeats", "2", "--warmup", "1"]
 EAGER = ("fwd_tflops_eager", "bwd_tflops_eager", "head_tflops_eager")
 NEEDS_CUDA = ("h2d_gbps", "d2h_gbps", "bidir_gbps", "cpu_adam_gparams_per_s_under_pcie")
 
@@ -52,6 +53,8 @@ def test_writes_a_profile_from_the_base(calibrate, tmp_path):
         if key not in figures and key != "calibration":
             assert profile[key] == value, key
     assert "model tiny 1x64" in profile["calibration"] and "modes eager" in profile["calibration"]
+    assert profile["attn_backend"] == "sdpa" and profile["attn_seq_len"] == 96
+    assert profile["attn_fwd_tflops"] > 0 and profile["attn_bwd_tflops"] > 0
     OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(out))  # the planner's schema reads it
 
     (row,) = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -59,6 +62,29 @@ def test_writes_a_profile_from_the_base(calibrate, tmp_path):
     assert {"gpu", "torch", "triton", "git_sha", "date"} <= set(row)
     for key in EAGER + NEEDS_CUDA + ("cpu_adam_gparams_per_s",):
         assert row[key] == pytest.approx(figures[key]), key
+
+
+def test_layer_figures_leave_out_the_attention_timed_alone(calibrate, tmp_path, monkeypatch):
+    """With fixed timings: the layer's figures are its FLOPs other than attention's over its time less its
+    attention's at the same shape, and the attention figures those of the one long sequence."""
+    seconds = {"attention fwd (layer shape)": 0.001, "attention bwd (layer shape)": 0.003, "attention fwd": 0.002,
+               "attention bwd": 0.005, "eager fwd": 0.004, "eager bwd": 0.011, "eager head": 0.002}
+    monkeypatch.setattr(calibrate, "median_s", lambda fn, args, on_device, what: seconds.get(what, 0.01))
+    figures = calibrate.main([*TINY, "--out", str(tmp_path / "p.yaml")])
+
+    nh, hd = 6, 48
+    attn_64 = 4 * nh * hd * 32 * 64  # one sequence of 64: a query sees 32 keys on average
+    attn_96 = 4 * nh * hd * 48 * 96
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"))
+    layer_64 = model_flops_per_token(cfg, 64)["layer_forward_flops_per_token"] * 64
+    assert figures["attn_fwd_tflops"] == pytest.approx(attn_96 / 0.002 / 1e12)
+    assert figures["attn_bwd_tflops"] == pytest.approx(3 * attn_96 / 0.005 / 1e12)
+    assert figures["fwd_tflops_eager"] == pytest.approx((layer_64 - attn_64) / 0.003 / 1e12, rel=1e-4)
+    assert figures["bwd_tflops_eager"] == pytest.approx(3 * (layer_64 - attn_64) / 0.008 / 1e12, rel=1e-4)
+
+    seconds["eager fwd"] = 0.0009  # faster than its own attention alone: no figure can come of it
+    with pytest.raises(RuntimeError, match="eager fwd: the layer took 0.900 ms, its attention alone 1.000 ms"):
+        calibrate.main([*TINY, "--out", str(tmp_path / "q.yaml")])
 
 
 @pytest.mark.parametrize("args, named", [
@@ -70,6 +96,7 @@ def test_writes_a_profile_from_the_base(calibrate, tmp_path):
     (["--seq-len", "8192"], ["--seq-len 8192", "max_position_embeddings=4096"]),
     (["--copy-gib", "0"], ["--copy-gib 0.0"]),
     (["--adam-gparams", "nan"], ["--adam-gparams nan"]),
+    (["--attn-seq-len", "0"], ["--attn-seq-len 0"]),
     (["--repeats", "0"], ["--repeats 0"]),
     (["--warmup", "0"], ["--warmup 0"]),
     (["--base", "/no/such/profile.yaml"], ["/no/such/profile.yaml"]),

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from engine import config
-from engine.config import TFLOPS_FIGURES, TRANSFER_FIGURES, Config, ConfigError, check_overrides, validate
+from engine.config import ATTENTION_FIGURES, TFLOPS_FIGURES, TRANSFER_FIGURES, Config, ConfigError, check_overrides, validate
 from engine.metrics import count_params
 from engine.model import ModelSpec
 from tests.util import make_cfg
@@ -226,6 +226,15 @@ BAD = {
     **{f"hardware.{key}": [*_figures(f"hardware.{key}"), f"hardware.{key}=0 " + " ".join(
         f"hardware.{other}=100" for other in TFLOPS_FIGURES if other != key and other[-5:] == key[-5:])]
        for key in TFLOPS_FIGURES},
+    "hardware.attn_backend": ["hardware.attn_backend=auto", "hardware=h200 hardware.attn_fwd_tflops=300 "
+                              "hardware.attn_bwd_tflops=300 hardware.attn_seq_len=32768"],
+    "hardware.attn_seq_len": ["hardware.attn_seq_len=-1", "hardware=h200 hardware.attn_fwd_tflops=300 "
+                              "hardware.attn_bwd_tflops=300 hardware.attn_backend=sdpa"],
+    **{f"hardware.{key}": [*_figures(f"hardware.{key}"), f"hardware=h200 hardware.{key}=300 "
+                           "hardware.attn_seq_len=32768 hardware.attn_backend=sdpa",
+                           f"hardware=cpu hardware.attn_fwd_tflops=1 hardware.attn_bwd_tflops=1 "
+                           "hardware.attn_seq_len=64 hardware.attn_backend=sdpa"]
+       for key in ATTENTION_FIGURES},
     "hardware.calibration": ["hardware.calibration=[a]"],
     "hardware.nvme_dir": [f"hardware.nvme_dir={A_FILE} hardware.nvme_gib=10", "hardware.nvme_dir=[a]"],
     "hardware.nvme_gib": [*_figures("hardware.nvme_gib"), "hardware.nvme_gib=10"],

@@ -106,9 +106,9 @@ def test_the_backward_pays_the_regenerating_forwards_and_weight_loads():
     placement = build_plan(spec, cfg, 139.0, 1000.0, on_gpu=True).placement
     assert placement["recompute_group"] == 4
     four, one = (predict_stream(s, sp, {**placement, "recompute_group": g})[0] for g in (4, 1))
-    assert four["backward"] - one["backward"] == pytest.approx(21 * s.layer_fwd_flops / sp.fwd, rel=1e-9)
+    assert four["backward"] - one["backward"] == pytest.approx(sp.layer_fwd_s(s, 21), rel=1e-9)
     assert one["forward_d2h"] - four["forward_d2h"] == pytest.approx(21 * _layer_input_bytes() / sp.d2h, rel=1e-9)
-    sp.fwd = sp.bwd = 1e30
+    sp.fwd = sp.bwd = sp.attn_fwd = sp.attn_bwd = 1e30
     four, one = (predict_stream(s, sp, {**placement, "recompute_group": g})[0] for g in (4, 1))
     weights = s.fmt.master_bytes(s.layer_numel) / sp.h2d
     assert four["backward"] - one["backward"] == pytest.approx(21 * (weights - _layer_input_bytes() / sp.h2d),
@@ -119,3 +119,42 @@ def test_the_backward_pays_the_regenerating_forwards_and_weight_loads():
 def test_a_cpu_plan_takes_the_configured_group_size(value, planned):
     plan = _plan([f"engine.recompute_group={value}"], base=["model=tiny", "engine=stream"], on_gpu=False)
     assert plan.placement["recompute_group"] == planned
+
+
+def test_attention_figures_time_the_layers_attention_apart():
+    """At 512K tokens the attention is ~89% of a qwen7b layer's FLOPs. Attention figures equal to the layer figures
+    predict what the layer figures alone do; at half those rates every layer's compute grows by its attention FLOPs
+    over the layer rate, forward and backward (3 forwards with recompute), and the plan says which rates it used."""
+    fixed = ["engine.keep_activation_layers=0", "engine.recompute_group=2", "engine.activation_tier=host",
+             "engine.grads_tier=gpu", "engine.cache_weights=on", "engine.gpu_resident_units=30",
+             "engine.gpu_streamed_units=0", *SMALL_STATE]
+    cfg = make_cfg([*LONG, *fixed, "hardware.attn_fwd_tflops=0", "hardware.attn_bwd_tflops=0"])
+    spec = ModelSpec(cfg.model)
+    s = _Shape(spec, cfg, on_gpu=True, fmt=StateFormat.of(cfg.train))
+    assert 0.85 < s.layer_attn_fwd_flops / s.layer_fwd_flops < 0.95
+    placement = build_plan(spec, cfg, 139.0, 125.0, on_gpu=True, check=False).placement
+    hw = cfg.hardware
+    plain = Speeds(hw, compiled=True, attention="sdpa")
+    times = {}
+    for name, scale in (("same", 1.0), ("half", 0.5)):
+        rates = [f"hardware.attn_fwd_tflops={hw.fwd_tflops_compiled * scale}",
+                 f"hardware.attn_bwd_tflops={hw.bwd_tflops_compiled * scale}",
+                 "hardware.attn_seq_len=32768", "hardware.attn_backend=triton"]
+        times[name] = predict_stream(s, Speeds(make_cfg([*LONG, *fixed, *rates]).hardware, True, "sdpa"),
+                                     placement)[0]
+    base = predict_stream(s, plain, placement)[0]
+    for phase in ("forward_compute", "backward", "step"):
+        assert times["same"][phase] == pytest.approx(base[phase], rel=1e-9), phase
+    extra_fwd = s.layer_attn_fwd_flops / plain.fwd
+    assert times["half"]["forward_compute"] - base["forward_compute"] == pytest.approx(28 * extra_fwd, rel=1e-9)
+    # 28 layers' backward (3 forwards at the backward rate) and 14 regenerating forwards (groups of 2)
+    extra_bwd = 28 * 3 * s.layer_attn_fwd_flops / plain.bwd + 14 * extra_fwd
+    assert times["half"]["backward"] - base["backward"] == pytest.approx(extra_bwd, rel=1e-9)
+
+    described = {name: _plan([*fixed, *over]).speeds for name, over in (
+        ("none", ["hardware.attn_fwd_tflops=0", "hardware.attn_bwd_tflops=0"]),
+        ("triton", ["hardware.attn_fwd_tflops=300", "hardware.attn_bwd_tflops=300", "hardware.attn_seq_len=32768",
+                    "hardware.attn_backend=triton"]))}
+    assert "attention timed at the layer's rate (no attention figures)" in described["none"]
+    assert "attention at its own rates (triton, measured at 32768 tokens), but this run's attention is sdpa" \
+        in described["triton"]
