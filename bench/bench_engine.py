@@ -146,8 +146,7 @@ GRIDS = {
         (f"qwen7b-stream-sweep{T // 1024}k",
          ["model=qwen7b", "engine=stream", *THROUGHPUT, f"train.seq_len={T}", "model.max_position_embeddings=524288",
           "train.micro_batch_size=1", "train.grad_accum=1", f"train.steps={steps}", *extra])
-        for T, steps, extra in [(4096, 4, []), (16384, 3, []), (65536, 3, []),
-                                (131072, 2, ["hardware.host_mem_gib=118"])]
+        for T, steps, extra in [(4096, 4, []), (16384, 3, []), (65536, 3, []), (131072, 2, []), (262144, 2, [])]
     ],
     # issue 8: MoE through the streaming engine (conf/experiment): gpt-oss-120b at its width (4 of 36 layers),
     # gpt-oss-20b and Qwen3-30B-A3B at full depth; eager first (the compiled MoE layer is unmeasured on a GPU)

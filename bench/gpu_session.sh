@@ -14,7 +14,8 @@
 #   bash bench/gpu_session.sh ctx512; WAIT_S=560 bash bench/gpu_session.sh ctx512wait   # issue 5: qwen7b at 512K
 #     (H200), in its own process session: call ctx512wait again in back-to-back calls until the run ends
 #   bash bench/gpu_session.sh calibrate compare3b streamtests planner17 perf17 kept17   # issue 17 (calibrate
-#   writes $OUT/h200.yaml, to be committed by hand, and the later stages of the same call plan with it)
+#   writes $OUT/<card>.yaml for the card it runs on, h100 or h200, to be committed by hand; the later stages of the
+#   same call plan with it)
 # Each stage's full log is kept under $OUT (gpu_tests.log; logs.tgz holds every engine job's log).
 # Needs .whl/ carried (hydra/omegaconf/antlr wheels; .whl/peers/ for DeepSpeed) and STREAMTRAIN_GIT_SHA set.
 set -u
@@ -48,9 +49,10 @@ for stage in "$@"; do
                  --out "$OUT/attention.jsonl" 2>&1 | tail -12 ;;
     streamtests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
                    tests/test_stream_gpu.py > "$OUT/gpu_stream_tests.log" 2>&1; tail -30 "$OUT/gpu_stream_tests.log" ;;
-    calibrate) timeout 200 python3 bench/calibrate.py --out "$OUT/h200.yaml" --jsonl "$OUT/calibrate.jsonl" \
-                 2>&1 | tail -16
-               [ -s "$OUT/h200.yaml" ] && cp "$OUT/h200.yaml" conf/hardware/h200.yaml ;;  # later stages plan with it
+    calibrate) card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00' | tr H h)
+               timeout 200 python3 bench/calibrate.py --base conf/hardware/$card.yaml --out "$OUT/$card.yaml" \
+                 --jsonl "$OUT/calibrate.jsonl" 2>&1 | tail -18
+               [ -s "$OUT/$card.yaml" ] && cp "$OUT/$card.yaml" conf/hardware/$card.yaml ;;  # later stages plan with it
     kept17) timeout 560 python3 bench/bench_engine.py --grid kept17 --out "$OUT/engine.jsonl" \
               --workdir /tmp/bench --timeout-s 140 2>&1 | tail -10 ;;
     perf17) timeout 560 python3 bench/bench_engine.py --grid perf17 --out "$OUT/engine.jsonl" \
@@ -92,8 +94,9 @@ for stage in "$@"; do
                tests/test_distributed.py > "$OUT/gpu_dp_tests.log" 2>&1; tail -6 "$OUT/gpu_dp_tests.log" ;;
     dp9) timeout 580 python3 bench/bench_engine.py --grid dp9 --out "$OUT/engine.jsonl" --workdir /tmp/bench \
            --timeout-s 200 2>&1 | tail -6 ;;  # issue 9: scaling over the GPUs of a multi-GPU kind
-    ctxsweep) timeout 540 python3 bench/bench_engine.py --grid ctxsweep5 --out "$OUT/engine.jsonl" \
-                --workdir /tmp/bench --timeout-s 240 2>&1 | tail -6
+    ctxsweep) only=(); for job in ${SWEEP_ONLY:-}; do only+=(--only "$job"); done  # e.g. SWEEP_ONLY="64k 128k"
+              timeout 540 python3 bench/bench_engine.py --grid ctxsweep5 "${only[@]}" --out "$OUT/engine.jsonl" \
+                --workdir /tmp/bench --timeout-s ${JOB_S:-240} 2>&1 | tail -6
               python3 -m engine.report /tmp/bench/qwen7b-stream-sweep*/ --jsonl "$OUT/context_sweep.jsonl" \
                 --png "$OUT/context_sweep.png" 2>&1 | tail -8
               tar czf "$OUT/sweep_rundirs.tgz" -C /tmp/bench $(cd /tmp/bench && ls -d qwen7b-stream-sweep*) ;;
