@@ -112,11 +112,22 @@ def test_stream_equals_reference_with_triton_attention_and_chunked_mlp():
     assert_same(m_s, m_r)
 
 
+def test_planner_counts_sdpas_expanded_gqa_backward():
+    """SDPA's GQA backward works on K and V expanded to the query heads (and their gradients): four [T, 28 x 128]
+    bf16 tensors more than the Triton kernel for qwen7b (28 query, 4 K/V heads); none where the heads match."""
+    T = 131072
+    gqa = ModelSpec(make_cfg(["model=qwen7b"]).model)
+    assert layer_working_bytes(gqa, T, 2, True, 0, "sdpa") - layer_working_bytes(gqa, T, 2, True, 0, "triton") \
+        == 4 * 2 * 28 * 128 * T
+    full = ModelSpec(make_cfg(["model=tiny", "model.num_key_value_heads=6"]).model)
+    assert layer_working_bytes(full, T, 2, True, 0, "sdpa") == layer_working_bytes(full, T, 2, True, 0, "triton")
+
+
 def test_planner_counts_one_chunk_of_mlp_memory():
     spec = ModelSpec(make_cfg(["model=qwen7b"]).model)
     T = 524288
-    whole = layer_working_bytes(spec, T, 2, True, 0)
-    chunked = layer_working_bytes(spec, T, 2, True, AUTO_MLP_CHUNK_TOKENS)
+    whole = layer_working_bytes(spec, T, 2, True, 0, "triton")
+    chunked = layer_working_bytes(spec, T, 2, True, AUTO_MLP_CHUNK_TOKENS, "triton")
     # qwen7b's MLP is most of a layer's graph (3 x 18944 of ~8.7K x 2 B per token): chunking removes most of it
     assert chunked < 0.5 * whole
     cfg = make_cfg(["model=qwen7b", "engine=stream", "train=throughput", "train.micro_batch_size=1",
