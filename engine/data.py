@@ -115,9 +115,11 @@ class CorpusData(TokenData):
         self._n_seqs = {}
         for split, (lo, hi) in self._regions.items():
             if hi - lo < seq_len + 1:
+                hint = f"raise data.val_fraction to at least {(seq_len + 1) / n_tokens:.4f}, " if split == "val" \
+                    and seq_len + 1 < n_tokens - seq_len - 1 else ""
                 raise DataError(f"data={description['source']}: the {split} split has {hi - lo} tokens, fewer than "
                                 f"one window of seq_len+1={seq_len + 1} (n_tokens={n_tokens}, "
-                                f"val_fraction={val_fraction}); lower train.seq_len or use a larger corpus")
+                                f"val_fraction={val_fraction}); {hint}lower train.seq_len or use a larger corpus")
             self._n_seqs[split] = (hi - lo - 1) // seq_len
         self._permutations: Dict[Tuple[str, int], np.ndarray] = {}
         description = dict(description, n_tokens=n_tokens, n_train_tokens=val_start,

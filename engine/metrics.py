@@ -165,6 +165,7 @@ def model_flops_per_token(model_cfg, seq_len: int) -> Dict[str, int]:
         "6n_flops_per_token": 6 * count_params(model_cfg, active=True),
         "layer_forward_flops_per_token": 2 * layer_matmul_params + attn_forward // n_layers,
         "layer_attention_forward_flops_per_token": attn_forward // n_layers,
+        "layer_mlp_forward_flops_per_token": 2 * _mlp_params(model_cfg, active=True)[0],
         "head_forward_flops_per_token": 2 * vocab * h,
     }
 

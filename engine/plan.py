@@ -292,6 +292,9 @@ class _Shape:
         flops = model_flops_per_token(cfg.model, t.seq_len)
         self.layer_fwd_flops = flops["layer_forward_flops_per_token"] * self.step_tokens
         self.layer_attn_fwd_flops = flops["layer_attention_forward_flops_per_token"] * self.step_tokens
+        # a chunked MLP checkpoints each chunk: a layer's backward runs its MLP forward once more
+        chunked = 0 < self.mlp_chunk_tokens < self.mb_tokens
+        self.mlp_recompute_flops = flops["layer_mlp_forward_flops_per_token"] * self.step_tokens if chunked else 0
         # the head: forward + backward (2x); the chunked torch chain also recomputes the logits in its backward
         self.head_flops = (3 if fused else 4) * flops["head_forward_flops_per_token"] * self.step_tokens
 
@@ -395,11 +398,13 @@ class Speeds:
 
     def layer_bwd_s(self, s: "_Shape", forwards: int) -> float:
         """Seconds of one layer's backward work worth `forwards` forwards of FLOPs (3: a forward with autograd, then
-        the backward's two; 2 for a kept graph), at the backward rates."""
+        the backward's two; 2 for a kept graph), at the backward rates, plus a chunked MLP's recompute of its
+        checkpointed chunks (one MLP forward, at the forward rate)."""
+        mlp_recompute = s.mlp_recompute_flops / self.fwd
         if not self.attn_calibrated:
-            return forwards * s.layer_fwd_flops / self.bwd
+            return forwards * s.layer_fwd_flops / self.bwd + mlp_recompute
         other = s.layer_fwd_flops - s.layer_attn_fwd_flops
-        return forwards * (other / self.bwd + s.layer_attn_fwd_flops / self.attn_bwd)
+        return forwards * (other / self.bwd + s.layer_attn_fwd_flops / self.attn_bwd) + mlp_recompute
 
     def describe(self, hw) -> str:
         line = f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -267,3 +268,12 @@ def test_errors():
         data.batch("test", 0, 1)
     with pytest.raises(DataError, match="batch_size=0"):
         data.batch("train", 0, 0)
+
+
+def test_a_val_split_shorter_than_one_window_names_the_fraction_that_would_hold_one():
+    with pytest.raises(DataError, match="the val split has") as e:
+        build_data(cfg("stdlib", None, val_fraction=0.001), 65536, seed=0, model_vocab_size=256)
+    n_tokens = int(re.search(r"n_tokens=(\d+)", str(e.value)).group(1))
+    assert f"raise data.val_fraction to at least {65537 / n_tokens:.4f}" in str(e.value)
+    build_data(cfg("stdlib", None, val_fraction=round(65537 / n_tokens + 0.0001, 4)), 65536, seed=0,
+               model_vocab_size=256)

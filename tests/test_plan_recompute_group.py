@@ -9,10 +9,11 @@ from engine.model import ModelSpec
 from engine.plan import GIB, PlanError, Speeds, _Shape, build_plan, predict_stream
 from tests.util import make_cfg
 
-# the Triton attention: SDPA's GQA backward would add 14 GiB of expanded K/V at this length (plan.layer_working_bytes)
+# the Triton attention (SDPA's GQA backward would add 14 GiB of expanded K/V at this length, plan.layer_working_bytes)
+# and a fixed process figure (h200.yaml's counts torch.compile's workers: fp32 state at 512K then fits no group)
 LONG = ["model=qwen7b", "engine=stream", "hardware=h200", "train=throughput", "train.micro_batch_size=1",
         "train.grad_accum=1", "train.seq_len=524288", "model.max_position_embeddings=524288", "train.attention=triton",
-        "plan=true"]
+        "hardware.host_process_gib=1.83", "plan=true"]
 SMALL_STATE = ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=bf16"]
 ACTIVATIONS = "layer-input activations (all micro-batches)"
 
@@ -160,3 +161,26 @@ def test_attention_figures_time_the_layers_attention_apart():
     assert "attention timed at the layer's rate (no attention figures)" in described["none"]
     assert "attention at its own rates (sdpa, measured at 32768 tokens), but this run's attention is triton" \
         in described["sdpa"]
+
+
+def test_a_chunked_mlp_pays_one_more_mlp_forward_in_each_backward():
+    """The MLP chunks are checkpointed: every layer's backward, kept graph or not, reruns its MLP forward. At 128K
+    (auto: 32K-token chunks) the backward is 28 such forwards longer than with the MLP whole; the forward phase is
+    the same."""
+    fixed = ["engine.keep_activation_layers=2", "engine.recompute_group=1", "engine.activation_tier=host",
+             "engine.grads_tier=gpu", "engine.cache_weights=off", "engine.gpu_resident_units=30",
+             "engine.gpu_streamed_units=0", *SMALL_STATE]
+    base = [*(o for o in LONG if not o.startswith("train.seq_len")), "train.seq_len=131072", *fixed]
+    shapes = {}
+    for chunk in (-1, 0):
+        cfg = make_cfg([*base, f"train.mlp_chunk_tokens={chunk}"])
+        shapes[chunk] = (_Shape(ModelSpec(cfg.model), cfg, on_gpu=True, fmt=StateFormat.of(cfg.train)), cfg)
+    (chunked, cfg), (whole, _) = shapes[-1], shapes[0]
+    assert chunked.mlp_chunk_tokens == 32768 and whole.mlp_recompute_flops == 0
+    assert chunked.mlp_recompute_flops == 2 * 3 * 3584 * 18944 * 131072  # gate, up and down over the step's tokens
+    sp = Speeds(cfg.hardware, compiled=True)
+    placement = build_plan(ModelSpec(cfg.model), cfg, 139.0, 125.0, on_gpu=True, check=False).placement
+    t_chunked, t_whole = (predict_stream(s, sp, placement)[0] for s in (chunked, whole))
+    assert t_chunked["forward"] == pytest.approx(t_whole["forward"], rel=1e-12)
+    assert t_chunked["backward"] - t_whole["backward"] == \
+        pytest.approx(28 * chunked.mlp_recompute_flops / sp.fwd, rel=1e-9)
