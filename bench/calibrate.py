@@ -15,8 +15,11 @@ step is made of, each the median of `--repeats` timed repetitions after `--warmu
    and printed when slow):
    - forward without autograd, as the engine's forward runs a layer -> `fwd_tflops_<mode>`;
    - backward as the engine runs it: the forward again with autograd from a leaf input, then `torch.autograd.grad`
-     for the input and every weight under a random upstream gradient -> `bwd_tflops_<mode>`, counted as 3 forwards
-     (the recompute and the backward's two matmuls per weight);
+     for the input and every weight under a random upstream gradient, then the weight gradients added into an
+     fp32 buffer of the layer's layout (the engine accumulates each micro-batch's gradients so: the fused kernel
+     of engine/kernels/grad_accum.py on CUDA, torch adds on the CPU; at qwen7b's 64K tokens per step in 8
+     micro-batches that is ~0.2 s of an H200 step) -> `bwd_tflops_<mode>`, counted as 3 forwards (the recompute
+     and the backward's two matmuls per weight);
    - the head: `spec.loss_sum` with autograd, then the gradient for the input and the head's weights (with tied
      embeddings the embedding matrix is the LM head, as in the engine's `_head`) -> `head_tflops_<mode>`, counted
      as 4 head forwards (the forward, the chunked loss's recompute and a backward of two).
@@ -81,6 +84,7 @@ from omegaconf.errors import OmegaConfBaseException
 from engine.config import ATTENTION_BACKENDS, CONF_DIR, ConfigError, ModelConfig, TrainConfig
 from engine.device import autocast_ctx, pin_host, resolve_compute_dtype, unpin_host
 from engine.fileio import atomic_write
+from engine.kernels.grad_accum import accumulate_layout
 from engine.metrics import child_processes_rss_gib, host_rss_gib, mean_keys, model_flops_per_token, run_environment
 from engine.model import ModelSpec, Unit
 from engine.model.attention import causal_attention, resolve_attention
@@ -324,11 +328,20 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
         with torch.no_grad(), autocast_ctx(device, compute_dtype):
             spec.layer(layer_p, x, rope, 0)
 
+    layout = spec.units[1].layout
+    grad_acc = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+    grad_views = layout.views(grad_acc)
+
     def backward() -> None:
         x_in = x.detach().requires_grad_()
         with autocast_ctx(device, compute_dtype):
             y = spec.layer(layer_p, x_in, rope, 0)
-        torch.autograd.grad(y, [x_in] + [layer_p[n] for n in layer_names], grad_outputs=dy)
+        grads = torch.autograd.grad(y, [x_in] + [layer_p[n] for n in layer_names], grad_outputs=dy)[1:]
+        if on_device:
+            accumulate_layout(layout, grad_acc, dict(zip(layer_names, grads)))
+        else:
+            for name, g in zip(layer_names, grads):
+                grad_views[name].add_(g)
 
     def head() -> None:
         x_in = x.detach().requires_grad_()
