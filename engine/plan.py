@@ -362,7 +362,7 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> Memory
                         "optimizer": fmt.update_hbm_bytes(n) / HBM_ADAMW_BYTES_PER_S}
         plan.times_s["step"] = sum(plan.times_s.values()) + STEP_OVERHEAD_S
         plan.binding = "GPU compute"
-        plan.speeds = sp.describe(hw)
+        plan.speeds = sp.describe(hw, spec.moe)
     return plan
 
 
@@ -406,13 +406,17 @@ class Speeds:
         other = s.layer_fwd_flops - s.layer_attn_fwd_flops
         return forwards * (other / self.bwd + s.layer_attn_fwd_flops / self.attn_bwd) + mlp_recompute
 
-    def describe(self, hw) -> str:
+    def describe(self, hw, moe: bool = False) -> str:
         line = f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"
         if not self.attn_calibrated:
-            return line + "; attention timed at the layer's rate (no attention figures)"
-        line += f"; attention at its own rates ({hw.attn_backend}, measured at {hw.attn_seq_len} tokens)"
-        if self.attention and self.attention != hw.attn_backend:
-            line += f", but this run's attention is {self.attention}"
+            line += "; attention timed at the layer's rate (no attention figures)"
+        else:
+            line += f"; attention at its own rates ({hw.attn_backend}, measured at {hw.attn_seq_len} tokens)"
+            if self.attention and self.attention != hw.attn_backend:
+                line += f", but this run's attention is {self.attention}"
+        if moe:  # the grouped expert matmuls and their gather / scatter run well below a dense layer's rate
+            line += ("; MoE layers are timed at a dense layer's figures (calibration measures a dense layer): "
+                     "expect a longer step, the backward most")
         return line
 
 
@@ -890,5 +894,5 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks:
         plan.notes.append(unfit_note)
     if sp.known:
         plan.times_s, plan.binding = predict_stream(s, sp, placement)
-        plan.speeds = sp.describe(hw)
+        plan.speeds = sp.describe(hw, spec.moe)
     return plan

@@ -223,3 +223,13 @@ def test_a_low_precision_master_plans_the_fp32_copies_it_is_drawn_in():
     assert [r for r in plan.rows if "start-up peak" in r[1]] and plan.total("host") == startup
     exact = build_plan(spec, make_cfg(over), gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False)
     assert not [r for r in exact.rows if "start-up" in r[1]]  # an fp32 master is drawn in place
+
+
+def test_a_moe_plan_says_its_layers_are_timed_at_a_dense_layers_figures():
+    def speeds(overrides):
+        cfg = make_cfg([*overrides, "hardware=h200", "plan=true"])
+        return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False).speeds
+
+    note = "MoE layers are timed at a dense layer's figures"
+    assert note in speeds(["+experiment=gptoss20b_h200"])
+    assert note not in speeds(["+experiment=qwen14b_h200"])
