@@ -28,6 +28,10 @@ step is made of, each the median of `--repeats` timed repetitions after `--warmu
    The layer figures are of the layer's FLOPs other than attention's, over the layer's time less its attention's
    (the attention alone at the same shape and window, timed as below, subtracted), because attention's rate
    depends on the length and the rest's does not:
+   - with `--moe-model`, that mixture-of-experts model's layer at the same tokens, forward and backward as above
+     (its attention alone subtracted) -> `moe_fwd_tflops_<mode>`, `moe_bwd_tflops_<mode>` and `moe_model`: the
+     planner times MoE layers with these (their grouped expert matmuls, gathers and scatters run far below a
+     dense layer's rate: at 16K tokens on an H200 the dense figures made the MoE backward 2.5-6.4x short);
    - the attention kernel alone (the backend the layer uses, full causal, one sequence of `--attn-seq-len`
      tokens, the model's heads): forward without autograd -> `attn_fwd_tflops`; forward with autograd and the
      gradients of q, k and v -> `attn_bwd_tflops`, counted as 3 forwards; with `attn_backend` and `attn_seq_len`.
@@ -119,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the head as the run computes it (train.fused_loss; auto: fused on CUDA)")
     ap.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
                     help="the layer's attention backend (train.attention; default: auto, what a run picks)")
+    ap.add_argument("--moe-model", default=None,
+                    help="a MoE model of conf/model/ whose layer gives the moe_* figures the planner times MoE "
+                         "layers with (default: none; their grouped expert matmuls run well below a dense layer)")
     ap.add_argument("--attn-seq-len", type=int, default=32768,
                     help="tokens of the one sequence the attention figures are measured at (default: 32768)")
     ap.add_argument("--copy-gib", type=float, default=1.0, help="GiB per PCIe copy (default: 1)")
@@ -139,14 +146,28 @@ def _require(parser: argparse.ArgumentParser, ok: bool, message: str) -> None:
         parser.error(message)
 
 
+def _model_config(parser: argparse.ArgumentParser, flag: str, name: str, known: list[str],
+                  seq_len: int) -> DictConfig:
+    """conf/model/<name>.yaml as a checked model config that takes `seq_len` tokens."""
+    model_dir = CONF_DIR / "model"
+    _require(parser, name in known, f"{flag} {name!r} is not a model of {model_dir}; choose one of {', '.join(known)}")
+    try:
+        model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(model_dir / f"{name}.yaml"))
+        OmegaConf.to_container(model_cfg, throw_on_missing=True)
+        ModelSpec(model_cfg).check_expected_params()
+    except (OmegaConfBaseException, ConfigError) as err:
+        parser.error(f"{flag} {name}: conf/model/{name}.yaml does not make a model config: {err}")
+    _require(parser, seq_len <= model_cfg.max_position_embeddings,
+             f"--seq-len {seq_len} exceeds max_position_embeddings={model_cfg.max_position_embeddings} of {flag} "
+             f"{name}")
+    return model_cfg
+
+
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DictConfig:
     """Refuse what cannot work, naming the value, before anything is allocated; returns the model config and adds
     the parsed forms to `args` (mode_list, copy_bytes, adam_numel, base_profile). Refusals exit through
     `parser.error` (status 2, the message on stderr)."""
-    model_dir = CONF_DIR / "model"
-    known = sorted(p.stem for p in model_dir.glob("*.yaml"))
-    _require(parser, args.model in known, f"--model {args.model!r} is not a model of {model_dir}; "
-                                          f"choose one of {', '.join(known)}")
+    known = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
     _require(parser, bool(args.mode_list), f"--modes {args.modes!r} names no mode; choose from {', '.join(MODES)}")
     for mode in args.mode_list:
@@ -163,15 +184,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dic
     _require(parser, args.copy_bytes >= 1, f"--copy-gib {args.copy_gib} is less than one byte")
     _require(parser, args.adam_numel >= 1, f"--adam-gparams {args.adam_gparams} is less than one element")
 
-    try:
-        model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(model_dir / f"{args.model}.yaml"))
-        OmegaConf.to_container(model_cfg, throw_on_missing=True)
-        ModelSpec(model_cfg).check_expected_params()
-    except (OmegaConfBaseException, ConfigError) as err:
-        parser.error(f"--model {args.model}: conf/model/{args.model}.yaml does not make a model config: {err}")
-    _require(parser, args.seq_len <= model_cfg.max_position_embeddings,
-             f"--seq-len {args.seq_len} exceeds max_position_embeddings={model_cfg.max_position_embeddings} of "
-             f"--model {args.model}")
+    model_cfg = _model_config(parser, "--model", args.model, known, args.seq_len)
+    args.moe_cfg = None
+    if args.moe_model is not None:
+        args.moe_cfg = _model_config(parser, "--moe-model", args.moe_model, known, args.seq_len)
+        _require(parser, bool(args.moe_cfg.num_experts), f"--moe-model {args.moe_model} is a dense model; choose "
+                 "a mixture-of-experts one (gptoss20b, gptoss120b, qwen3_30b_a3b)")
 
     _require(parser, args.base.is_file(), f"--base {str(args.base)!r}: no such file")
     try:
@@ -269,16 +287,20 @@ def attention_timer(spec: ModelSpec, backend: str, batch: int, seq_len: int, win
 
 
 def measure_attention(model_cfg: DictConfig, args: argparse.Namespace, device: torch.device,
-                      compute_dtype: torch.dtype) -> tuple[dict, dict]:
+                      compute_dtype: torch.dtype, moe: bool = False) -> tuple[dict, dict]:
     """The attention kernel at the calibration's layer shape -> (flops and seconds, forward and backward, that the
-    layer figures subtract), and at one sequence of `--attn-seq-len` tokens -> the profile's attention figures."""
+    layer figures subtract), and at one sequence of `--attn-seq-len` tokens -> the profile's attention figures
+    (not for the `--moe-model` layer, which only needs the first)."""
     spec = ModelSpec(model_cfg)
     backend = resolve_attention(args.attention, device.type, spec.arch.head_dim, spec.sinks_or_window)
     on_device = device.type == "cuda"
     flops, forward, backward = attention_timer(spec, backend, args.micro_batch, args.seq_len, spec.layer_windows[0],
                                                device, compute_dtype)
-    in_layer = {"flops": flops, "fwd": median_s(forward, args, on_device, "attention fwd (layer shape)"),
-                "bwd": median_s(backward, args, on_device, "attention bwd (layer shape)")}
+    shape = "moe layer shape" if moe else "layer shape"
+    in_layer = {"flops": flops, "fwd": median_s(forward, args, on_device, f"attention fwd ({shape})"),
+                "bwd": median_s(backward, args, on_device, f"attention bwd ({shape})")}
+    if moe:
+        return in_layer, {}
     flops, forward, backward = attention_timer(spec, backend, 1, args.attn_seq_len, None, device, compute_dtype)
     figures = {"attn_fwd_tflops": flops / median_s(forward, args, on_device, "attention fwd") / 1e12,
                "attn_bwd_tflops": 3 * flops / median_s(backward, args, on_device, "attention bwd") / 1e12}
@@ -291,9 +313,9 @@ def measure_attention(model_cfg: DictConfig, args: argparse.Namespace, device: t
 
 
 def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, device: torch.device,
-                 compute_dtype: torch.dtype, attention: dict) -> dict[str, float]:
+                 compute_dtype: torch.dtype, attention: dict, moe: bool = False) -> dict[str, float]:
     """The layer's figures without its attention (`attention`: its flops and seconds at this shape) and the
-    head's."""
+    head's; `moe`: the `--moe-model` layer's, as `moe_fwd_tflops_<mode>` / `moe_bwd_tflops_<mode>`, no head."""
     spec = ModelSpec(model_cfg)
     # the attention backend a run picks (train.attention), at the calibration's length: unchunked
     spec.set_layer_compute(LayerCompute(attention=resolve_attention(args.attention, device.type, spec.arch.head_dim,
@@ -319,10 +341,10 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
     rope = spec.rope(T, device)
     layer_p = bind_unit(spec, spec.units[1], device, compute_dtype, leaf=True)
     layer_names = list(layer_p)
-    head_p = bind_unit(spec, spec.units[-1], device, compute_dtype, leaf=True)
+    head_p = {} if moe else bind_unit(spec, spec.units[-1], device, compute_dtype, leaf=True)
     head_names = list(head_p)
     tied_w = bind_unit(spec, spec.units[0], device, compute_dtype, leaf=True)[spec.tied_weight_name] \
-        if spec.tied else None
+        if spec.tied and not moe else None
 
     def forward() -> None:
         with torch.no_grad(), autocast_ctx(device, compute_dtype):
@@ -351,16 +373,20 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
 
     out = {}
     other_flops = layer_fwd_flops - attention["flops"]
-    for name, fn, n_flops, attn_s in (("fwd", forward, other_flops, attention["fwd"]),
-                                      ("bwd", backward, 3 * other_flops, attention["bwd"]),
-                                      ("head", head, head_flops, 0.0)):
-        seconds = median_s(fn, args, on_device, f"{mode} {name}")
+    measured = [("fwd", forward, other_flops, attention["fwd"]), ("bwd", backward, 3 * other_flops, attention["bwd"])]
+    if not moe:
+        measured.append(("head", head, head_flops, 0.0))
+    prefix = "moe_" if moe else ""
+    for name, fn, n_flops, attn_s in measured:
+        what = f"{prefix.replace('_', ' ')}{mode} {name}"
+        seconds = median_s(fn, args, on_device, what)
         if seconds <= attn_s:
-            raise RuntimeError(f"{mode} {name}: the layer took {seconds * 1e3:.3f} ms, its attention alone "
+            raise RuntimeError(f"{what}: the layer took {seconds * 1e3:.3f} ms, its attention alone "
                                f"{attn_s * 1e3:.3f} ms; no time is left for the rest of the layer (a timing this "
                                "noisy cannot calibrate: raise --repeats or the layer's tokens)")
-        out[f"{name}_tflops_{mode}"] = n_flops / (seconds - attn_s) / 1e12
-        log(f"{mode:8} {name:4} {seconds * 1e3:9.2f} ms  {out[f'{name}_tflops_{mode}']:8.2f} TFLOP/s "
+        key = f"{prefix}{name}_tflops_{mode}"
+        out[key] = n_flops / (seconds - attn_s) / 1e12
+        log(f"{prefix + mode:12} {name:4} {seconds * 1e3:9.2f} ms  {out[key]:8.2f} TFLOP/s "
             f"({n_flops / 1e12:.3f} TFLOP{', attention excluded' if attn_s else ''})")
     return out
 
@@ -535,6 +561,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         figures.update(measure_mode(model_cfg, mode, args, device, compute_dtype, attention))
         if cuda:
             torch.cuda.empty_cache()
+    if args.moe_cfg is not None:
+        log(f"{args.moe_model} layer (the MoE figures) at the same tokens")
+        attention_moe = measure_attention(args.moe_cfg, args, device, compute_dtype, moe=True)[0]
+        for mode in args.mode_list:
+            figures.update(measure_mode(args.moe_cfg, mode, args, device, compute_dtype, attention_moe, moe=True))
+            if cuda:
+                torch.cuda.empty_cache()
+        figures["moe_model"] = args.moe_model
 
     # what a training process holds on the host before any state: torch, the CUDA context, compiled kernels (the
     # layer's host-side master copies are freed by now) and torch.compile's worker processes, which stay alive
@@ -562,7 +596,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     env = run_environment()
     calibration = (f"{env['date']} git {env['git_sha']} model {args.model} {args.micro_batch}x{args.seq_len} "
                    f"torch {env['torch']} triton {env['triton']} gpu {env['gpu']} modes {','.join(args.mode_list)} "
-                   f"fused_loss {args.fused_loss} attention {args.attention}")
+                   f"fused_loss {args.fused_loss} attention {args.attention}"
+                   + (f" moe_model {args.moe_model}" if args.moe_model else ""))
     if set(args.mode_list) != set(MODES):
         calibration += f" (other modes' figures from {args.base.name})"
     write_profile(args, figures, not_measured, calibration)

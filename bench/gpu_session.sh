@@ -50,7 +50,8 @@ for stage in "$@"; do
     streamtests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
                    tests/test_stream_gpu.py > "$OUT/gpu_stream_tests.log" 2>&1; tail -30 "$OUT/gpu_stream_tests.log" ;;
     calibrate) card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00' | tr H h)
-               timeout 200 python3 bench/calibrate.py --base conf/hardware/$card.yaml --out "$OUT/$card.yaml" \
+               timeout 240 python3 bench/calibrate.py --base conf/hardware/$card.yaml --out "$OUT/$card.yaml" \
+                 --moe-model ${MOE_MODEL:-gptoss20b} \
                  --jsonl "$OUT/calibrate.jsonl" 2>&1 | tail -18
                [ -s "$OUT/$card.yaml" ] && cp "$OUT/$card.yaml" conf/hardware/$card.yaml ;;  # later stages plan with it
     kept17) timeout 560 python3 bench/bench_engine.py --grid kept17 --out "$OUT/engine.jsonl" \

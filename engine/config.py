@@ -187,6 +187,13 @@ class HardwareConfig:
     attn_seq_len: int = 0
     attn_fwd_tflops: float = 0.0
     attn_bwd_tflops: float = 0.0
+    # A mixture-of-experts layer's figures (its FLOPs other than attention's, active experts counted), measured on
+    # the layer of moe_model; MoE runs use them in place of the dense layer's, which are far too fast for them.
+    moe_model: str = ""
+    moe_fwd_tflops_compiled: float = 0.0
+    moe_bwd_tflops_compiled: float = 0.0
+    moe_fwd_tflops_eager: float = 0.0
+    moe_bwd_tflops_eager: float = 0.0
     h2d_gbps: float = 0.0  # pinned host->device, alone
     d2h_gbps: float = 0.0  # pinned device->host, alone
     bidir_gbps: float = 0.0  # both directions at once, total
@@ -644,8 +651,9 @@ def _validate_train(cfg: DictConfig) -> None:
 TFLOPS_FIGURES = tuple(f"{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd", "head"))
 TRANSFER_FIGURES = ("h2d_gbps", "d2h_gbps", "bidir_gbps", "cpu_adam_gparams_per_s", "cpu_adam_gparams_per_s_under_pcie")
 ATTENTION_FIGURES = ("attn_fwd_tflops", "attn_bwd_tflops")
+MOE_FIGURES = tuple(f"moe_{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd"))
 HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
-                    "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES, *ATTENTION_FIGURES,
+                    "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES, *ATTENTION_FIGURES, *MOE_FIGURES,
                     *TRANSFER_FIGURES)
 
 
@@ -676,6 +684,13 @@ def _validate_hardware(cfg: DictConfig) -> None:
             raise ConfigError(f"hardware.attn_fwd_tflops={hw.attn_fwd_tflops}, hardware.attn_bwd_tflops="
                               f"{hw.attn_bwd_tflops} without layer figures: they time a layer's attention beside its "
                               "other FLOPs (hardware.fwd_tflops_<mode>, bench/calibrate.py measures both)")
+    for mode in ("compiled", "eager"):
+        fwd, bwd, layer = f"moe_fwd_tflops_{mode}", f"moe_bwd_tflops_{mode}", f"fwd_tflops_{mode}"
+        if (hw[fwd] > 0) != (hw[bwd] > 0) or (hw[fwd] > 0 and (not hw.moe_model or hw[layer] <= 0)):
+            raise ConfigError(f"hardware.{fwd}={hw[fwd]}, hardware.{bwd}={hw[bwd]}, hardware.moe_model="
+                              f"{hw.moe_model!r}, hardware.{layer}={hw[layer]}: a mode's MoE figures are used "
+                              "together, with the model they were measured on and the dense figures of that mode "
+                              "(bench/calibrate.py --moe-model measures them), or both 0")
     if any(hw[k] > 0 for k in TFLOPS_FIGURES):
         for key in TRANSFER_FIGURES:
             _real(f"hardware.{key}", hw[key], 0, low_open=True,

@@ -354,7 +354,7 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> Memory
     if hw.host_process_gib:
         plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)",
                  int(hw.host_process_gib * GIB))
-    sp = Speeds(hw, runs_compiled(cfg, on_gpu), s.attention)
+    sp = Speeds(hw, runs_compiled(cfg, on_gpu), s.attention, spec.moe)
     if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0
         plan.times_s = {"forward": s.L * sp.layer_fwd_s(s), "head": s.head_flops / sp.head,
@@ -362,7 +362,7 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> Memory
                         "optimizer": fmt.update_hbm_bytes(n) / HBM_ADAMW_BYTES_PER_S}
         plan.times_s["step"] = sum(plan.times_s.values()) + STEP_OVERHEAD_S
         plan.binding = "GPU compute"
-        plan.speeds = sp.describe(hw, spec.moe)
+        plan.speeds = sp.describe(hw)
     return plan
 
 
@@ -376,10 +376,14 @@ class Speeds:
     60% of the matmuls' rate: one rate fitted at 4K made the step 17% short there). `attention`: the run's backend,
     named in `describe` when it is not the one the attention figures were measured with."""
 
-    def __init__(self, hw, compiled: bool, attention: str = ""):
+    def __init__(self, hw, compiled: bool, attention: str = "", moe: bool = False):
         mode = "compiled" if compiled else "eager"
         self.mode = mode
         self.fwd, self.bwd, self.head = (hw[f"{k}_tflops_{mode}"] * 1e12 for k in ("fwd", "bwd", "head"))
+        # a MoE model's layers at the figures of a measured MoE layer where the profile has them
+        self.moe, self.moe_calibrated = moe, moe and hw[f"moe_fwd_tflops_{mode}"] > 0
+        if self.moe_calibrated:
+            self.fwd, self.bwd = (hw[f"moe_{k}_tflops_{mode}"] * 1e12 for k in ("fwd", "bwd"))
         self.attn_fwd, self.attn_bwd = hw.attn_fwd_tflops * 1e12, hw.attn_bwd_tflops * 1e12
         self.attn_calibrated = min(self.attn_fwd, self.attn_bwd) > 0
         self.attention = attention
@@ -406,7 +410,7 @@ class Speeds:
         other = s.layer_fwd_flops - s.layer_attn_fwd_flops
         return forwards * (other / self.bwd + s.layer_attn_fwd_flops / self.attn_bwd) + mlp_recompute
 
-    def describe(self, hw, moe: bool = False) -> str:
+    def describe(self, hw) -> str:
         line = f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"
         if not self.attn_calibrated:
             line += "; attention timed at the layer's rate (no attention figures)"
@@ -414,9 +418,11 @@ class Speeds:
             line += f"; attention at its own rates ({hw.attn_backend}, measured at {hw.attn_seq_len} tokens)"
             if self.attention and self.attention != hw.attn_backend:
                 line += f", but this run's attention is {self.attention}"
-        if moe:  # the grouped expert matmuls and their gather / scatter run well below a dense layer's rate
-            line += ("; MoE layers are timed at a dense layer's figures (calibration measures a dense layer): "
-                     "expect a longer step, the backward most")
+        if self.moe_calibrated:
+            line += f"; MoE layers at the figures of a {hw.moe_model} layer"
+        elif self.moe:  # the grouped expert matmuls and their gather / scatter run well below a dense layer's rate
+            line += ("; MoE layers are timed at a dense layer's figures (the profile has no MoE figures: "
+                     "bench/calibrate.py --moe-model): expect a longer step, the backward most")
         return line
 
 
@@ -640,7 +646,7 @@ def choose_split(s: _Shape, sp: Speeds, candidates: List[Tuple[dict, float]]) ->
 def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks: int = 1) -> MemoryPlan:
     e, hw = cfg.engine, cfg.hardware
     s = _Shape(spec, cfg, on_gpu, fmt, state_ranks)
-    sp = Speeds(hw, runs_compiled(cfg, on_gpu), s.attention)
+    sp = Speeds(hw, runs_compiled(cfg, on_gpu), s.attention, spec.moe)
     layouts, L = s.layouts, s.L
     compute_tier = "gpu" if on_gpu else "host"
 
@@ -894,5 +900,5 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks:
         plan.notes.append(unfit_note)
     if sp.known:
         plan.times_s, plan.binding = predict_stream(s, sp, placement)
-        plan.speeds = sp.describe(hw, spec.moe)
+        plan.speeds = sp.describe(hw)
     return plan

@@ -82,6 +82,8 @@ def test_layer_figures_leave_out_the_attention_timed_alone(calibrate, tmp_path, 
     assert figures["fwd_tflops_eager"] == pytest.approx((layer_64 - attn_64) / 0.003 / 1e12, rel=1e-4)
     assert figures["bwd_tflops_eager"] == pytest.approx(3 * (layer_64 - attn_64) / 0.008 / 1e12, rel=1e-4)
 
+    assert "moe_fwd_tflops_eager" not in figures and "moe_model" not in figures
+
     seconds["eager fwd"] = 0.0009  # faster than its own attention alone: no figure can come of it
     with pytest.raises(RuntimeError, match="eager fwd: the layer took 0.900 ms, its attention alone 1.000 ms"):
         calibrate.main([*TINY, "--out", str(tmp_path / "q.yaml")])
@@ -116,3 +118,30 @@ def test_refuses_an_output_in_a_missing_directory(calibrate, tmp_path, capsys):
     with pytest.raises(SystemExit):
         calibrate.main([*TINY, "--out", str(tmp_path / "missing" / "p.yaml")])
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_moe_layer_gives_figures_of_its_own(calibrate, tmp_path, monkeypatch):
+    """--moe-model: that model's layer at the same tokens, its attention alone subtracted, no head; the profile
+    names the model and the planner's schema reads it (fixed timings: the layer is built, never run)."""
+    seconds = {"attention fwd (layer shape)": 0.001, "attention bwd (layer shape)": 0.003,
+               "attention fwd (moe layer shape)": 0.002, "attention bwd (moe layer shape)": 0.005,
+               "moe eager fwd": 0.010, "moe eager bwd": 0.035}
+    monkeypatch.setattr(calibrate, "median_s", lambda fn, args, on_device, what: seconds.get(what, 0.01))
+    out = tmp_path / "p.yaml"
+    figures = calibrate.main([*TINY, "--moe-model", "qwen3_30b_a3b", "--out", str(out)])
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf/model/qwen3_30b_a3b.yaml"))
+    flops = model_flops_per_token(cfg, 64)
+    other = (flops["layer_forward_flops_per_token"] - flops["layer_attention_forward_flops_per_token"]) * 64
+    assert figures["moe_fwd_tflops_eager"] == pytest.approx(other / 0.008 / 1e12, rel=1e-4)
+    assert figures["moe_bwd_tflops_eager"] == pytest.approx(3 * other / 0.030 / 1e12, rel=1e-4)
+    profile = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(out))
+    assert profile.moe_model == "qwen3_30b_a3b" and "moe_model qwen3_30b_a3b" in profile.calibration
+    assert profile.moe_fwd_tflops_compiled == 0.0  # a mode not measured stays the base's
+
+
+@pytest.mark.parametrize("model, named", [("qwen7b", "is a dense model"), ("mixtral", "'mixtral'")])
+def test_refuses_a_moe_model_that_is_not_one(calibrate, tmp_path, capsys, model, named):
+    with pytest.raises(SystemExit):
+        calibrate.main([*TINY, "--moe-model", model, "--out", str(tmp_path / "p.yaml")])
+    assert named in capsys.readouterr().err

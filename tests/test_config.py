@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from engine import config
-from engine.config import ATTENTION_FIGURES, TFLOPS_FIGURES, TRANSFER_FIGURES, Config, ConfigError, check_overrides, validate
+from engine.config import ATTENTION_FIGURES, MOE_FIGURES, TFLOPS_FIGURES, TRANSFER_FIGURES, Config, ConfigError, check_overrides, validate
 from engine.metrics import count_params
 from engine.model import ModelSpec
 from tests.util import make_cfg
@@ -235,6 +235,14 @@ BAD = {
                            f"hardware=cpu hardware.attn_fwd_tflops=1 hardware.attn_bwd_tflops=1 "
                            "hardware.attn_seq_len=64 hardware.attn_backend=sdpa"]
        for key in ATTENTION_FIGURES},
+    "hardware.moe_model": ["hardware.moe_model=[a]", "hardware=h200 hardware.moe_fwd_tflops_eager=100 "
+                           "hardware.moe_bwd_tflops_eager=100"],
+    **{f"hardware.{key}": [*_figures(f"hardware.{key}"),
+                           f"hardware=h200 hardware.moe_model=gptoss20b hardware.{key}=100",  # its pair missing
+                           # without the dense figures of the mode (the cpu profile has none)
+                           "hardware=cpu hardware.moe_model=gptoss20b " + " ".join(
+                               f"hardware.moe_{k}_tflops_{key.rsplit('_', 1)[1]}=1" for k in ("fwd", "bwd"))]
+       for key in MOE_FIGURES},
     "hardware.calibration": ["hardware.calibration=[a]"],
     "hardware.nvme_dir": [f"hardware.nvme_dir={A_FILE} hardware.nvme_gib=10", "hardware.nvme_dir=[a]"],
     "hardware.nvme_gib": [*_figures("hardware.nvme_gib"), "hardware.nvme_gib=10"],

@@ -225,11 +225,24 @@ def test_a_low_precision_master_plans_the_fp32_copies_it_is_drawn_in():
     assert not [r for r in exact.rows if "start-up" in r[1]]  # an fp32 master is drawn in place
 
 
-def test_a_moe_plan_says_its_layers_are_timed_at_a_dense_layers_figures():
-    def speeds(overrides):
+def test_a_moe_plan_times_its_layers_at_the_moe_figures_or_says_it_has_none():
+    """Without MoE figures a MoE plan says its layers are timed at a dense layer's; with them (the same placement)
+    its backward is that much longer as the MoE rate is lower, and it names the layer they were measured on."""
+    def plan(overrides):
         cfg = make_cfg([*overrides, "hardware=h200", "plan=true"])
-        return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False).speeds
+        return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False)
 
     note = "MoE layers are timed at a dense layer's figures"
-    assert note in speeds(["+experiment=gptoss20b_h200"])
-    assert note not in speeds(["+experiment=qwen14b_h200"])
+    dense = plan(["+experiment=gptoss20b_h200"])
+    assert note in dense.speeds and note not in plan(["+experiment=qwen14b_h200"]).speeds
+    fixed = [f"engine.{k}={v}" for k, v in dense.placement.items()]  # the same placement whatever the speeds
+    dense = plan(["+experiment=gptoss20b_h200", *fixed])
+    h200 = make_cfg(["hardware=h200", "plan=true"]).hardware
+    fwd, bwd = h200.fwd_tflops_compiled, h200.bwd_tflops_compiled
+    same, slow = (plan(["+experiment=gptoss20b_h200", *fixed, "hardware.moe_model=gptoss20b",
+                        f"hardware.moe_fwd_tflops_compiled={fwd}", f"hardware.moe_bwd_tflops_compiled={bwd / k}"])
+                  for k in (1, 4))
+    assert "MoE layers at the figures of a gptoss20b layer" in same.speeds and note not in same.speeds
+    assert same.times_s == dense.times_s
+    assert slow.times_s["forward_compute"] == dense.times_s["forward_compute"]
+    assert slow.times_s["backward"] > 3 * dense.times_s["backward"] * 0.9
