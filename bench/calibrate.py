@@ -28,13 +28,13 @@ step is made of, each the median of `--repeats` timed repetitions after `--warmu
    The layer figures are of the layer's FLOPs other than attention's, over the layer's time less its attention's
    (the attention alone at the same shape and window, timed as below, subtracted), because attention's rate
    depends on the length and the rest's does not:
-   - with `--moe-model`, that mixture-of-experts model's layer at the same tokens, forward and backward as above
-     (its attention alone subtracted) -> `moe_fwd_tflops_<mode>`, `moe_bwd_tflops_<mode>` and `moe_model`: the
-     planner times MoE layers with these (their grouped expert matmuls, gathers and scatters run far below a
-     dense layer's rate: at 16K tokens on an H200 the dense figures made the MoE backward 2.5-6.4x short);
    - the attention kernel alone (the backend the layer uses, full causal, one sequence of `--attn-seq-len`
      tokens, the model's heads): forward without autograd -> `attn_fwd_tflops`; forward with autograd and the
      gradients of q, k and v -> `attn_bwd_tflops`, counted as 3 forwards; with `attn_backend` and `attn_seq_len`.
+   With `--moe-model`, that mixture-of-experts model's layer at the same tokens, forward and backward as above
+   (its attention alone subtracted) -> `moe_fwd_tflops_<mode>`, `moe_bwd_tflops_<mode>` and `moe_model`: the
+   planner times MoE layers with these (their grouped expert matmuls, gathers and scatters run far below a
+   dense layer's rate: at 16K tokens on an H200 the dense figures made the MoE backward 2.5-6.4x short).
 2. PCIe: `--copy-gib` from page-locked host memory (plain memory registered with cudaHostRegister, as the host
    store pins its arena) to the device -> `h2d_gbps`, back -> `d2h_gbps`, and both at once on two streams ->
    `bidir_gbps` (the bytes of both directions over the time of the pair). GB here is 1e9 bytes.

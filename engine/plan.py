@@ -61,10 +61,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from engine.config import ConfigError
 from engine.distributed import state_owners
 from engine.formats import StateFormat, all_formats
 from engine.metrics import model_flops_per_token
-from engine.config import ConfigError
 from engine.model.attention import HAVE_FLASH_ATTN, resolve_attention
 from engine.model import moe
 from engine.model.dense import resolve_mlp_chunk_tokens
@@ -372,9 +372,10 @@ class Speeds:
 
     A layer's time is its attention FLOPs at the attention rates plus its other FLOPs at the layer rates when the
     profile has attention figures; without them the layer rates time all of it, which is right only near the
-    calibration's length (at 32K tokens per sequence qwen7b's attention is a third of its FLOPs and runs at about
-    60% of the matmuls' rate: one rate fitted at 4K made the step 17% short there). `attention`: the run's backend,
-    named in `describe` when it is not the one the attention figures were measured with."""
+    calibration's length (qwen7b's attention is 5% of its FLOPs at 4K tokens per sequence, a third at 32K, 88% at
+    512K; one rate fitted at 4K made the 32K step 17% short on an H200). `attention`: the run's backend, named in
+    `describe` when it is not the one the attention figures were measured with. `moe`: the model's layers are MoE
+    layers, timed with the profile's MoE figures where it has them."""
 
     def __init__(self, hw, compiled: bool, attention: str = "", moe: bool = False):
         mode = "compiled" if compiled else "eager"
