@@ -288,16 +288,16 @@ def attention_timer(spec: ModelSpec, backend: str, batch: int, seq_len: int, win
 
 def measure_attention(model_cfg: DictConfig, args: argparse.Namespace, device: torch.device,
                       compute_dtype: torch.dtype, moe: bool = False) -> tuple[dict, dict]:
-    """The attention kernel at the calibration's layer shape -> (flops and seconds, forward and backward, that the
-    layer figures subtract), and at one sequence of `--attn-seq-len` tokens -> the profile's attention figures
+    """The attention kernel at the calibration's layer shape -> (seconds, forward and backward, that the layer
+    figures subtract), and at one sequence of `--attn-seq-len` tokens -> the profile's attention figures
     (not for the `--moe-model` layer, which only needs the first)."""
     spec = ModelSpec(model_cfg)
     backend = resolve_attention(args.attention, device.type, spec.arch.head_dim, spec.sinks_or_window)
     on_device = device.type == "cuda"
-    flops, forward, backward = attention_timer(spec, backend, args.micro_batch, args.seq_len, spec.layer_windows[0],
-                                               device, compute_dtype)
+    forward, backward = attention_timer(spec, backend, args.micro_batch, args.seq_len, spec.layer_windows[0], device,
+                                        compute_dtype)[1:]
     shape = "moe layer shape" if moe else "layer shape"
-    in_layer = {"flops": flops, "fwd": median_s(forward, args, on_device, f"attention fwd ({shape})"),
+    in_layer = {"fwd": median_s(forward, args, on_device, f"attention fwd ({shape})"),
                 "bwd": median_s(backward, args, on_device, f"attention bwd ({shape})")}
     if moe:
         return in_layer, {}
@@ -314,7 +314,7 @@ def measure_attention(model_cfg: DictConfig, args: argparse.Namespace, device: t
 
 def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, device: torch.device,
                  compute_dtype: torch.dtype, attention: dict, moe: bool = False) -> dict[str, float]:
-    """The layer's figures without its attention (`attention`: its flops and seconds at this shape) and the
+    """The layer's figures without its attention (`attention`: its seconds at this shape) and the
     head's; `moe`: the `--moe-model` layer's, as `moe_fwd_tflops_<mode>` / `moe_bwd_tflops_<mode>`, no head."""
     spec = ModelSpec(model_cfg)
     # the attention backend a run picks (train.attention), at the calibration's length: unchunked
@@ -372,7 +372,9 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
         torch.autograd.grad(loss, [x_in] + [head_p[n] for n in head_names] + ([tied_w] if spec.tied else []))
 
     out = {}
-    other_flops = layer_fwd_flops - attention["flops"]
+    # the layer's FLOPs but attention's: its matmuls (the count's attention share is a mean over the model's layers,
+    # sliding-window ones included, where this layer's attention, timed alone, is its own)
+    other_flops = layer_fwd_flops - flops["layer_attention_forward_flops_per_token"] * tokens
     measured = [("fwd", forward, other_flops, attention["fwd"]), ("bwd", backward, 3 * other_flops, attention["bwd"])]
     if not moe:
         measured.append(("head", head, head_flops, 0.0))

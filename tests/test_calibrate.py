@@ -32,7 +32,13 @@ def calibrate():
     return load_calibrate()
 
 
-def test_writes_a_profile_from_the_base(calibrate, tmp_path):
+def test_writes_a_profile_from_the_base(calibrate, tmp_path, monkeypatch):
+    # the tiny layer's own attention is a large share of it: timed alone on a busy CPU it can outlast the whole
+    # layer (the arithmetic is the next test's); here it counts for next to nothing
+    measured = calibrate.median_s
+    monkeypatch.setattr(calibrate, "median_s", lambda fn, args, on_device, what:
+                        1e-9 if what.startswith("attention") and "shape" in what else
+                        measured(fn, args, on_device, what))
     base = OmegaConf.to_container(OmegaConf.load(H200))
     base["fwd_tflops_compiled"] = 123.0  # a mode not measured keeps the base's figure
     base["fwd_tflops_eager"] = -1.0  # a measured one is replaced
