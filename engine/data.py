@@ -36,6 +36,7 @@ import abc
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -115,7 +116,8 @@ class CorpusData(TokenData):
         self._n_seqs = {}
         for split, (lo, hi) in self._regions.items():
             if hi - lo < seq_len + 1:
-                hint = f"raise data.val_fraction to at least {(seq_len + 1) / n_tokens:.4f}, " if split == "val" \
+                enough = math.ceil((seq_len + 1) / n_tokens * 1e4) / 1e4  # rounded up: it does hold a window
+                hint = f"raise data.val_fraction to at least {enough:.4f}, " if split == "val" \
                     and seq_len + 1 < n_tokens - seq_len - 1 else ""
                 raise DataError(f"data={description['source']}: the {split} split has {hi - lo} tokens, fewer than "
                                 f"one window of seq_len+1={seq_len + 1} (n_tokens={n_tokens}, "
