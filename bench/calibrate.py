@@ -86,14 +86,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from engine.config import ATTENTION_BACKENDS, CONF_DIR, ConfigError, ModelConfig, TrainConfig
-from engine.device import autocast_ctx, pin_host, resolve_compute_dtype, unpin_host
+from engine.device import Device, autocast_ctx, pin_host, resolve_compute_dtype, unpin_host
 from engine.fileio import atomic_write
-from engine.kernels.grad_accum import accumulate_layout
 from engine.metrics import child_processes_rss_gib, host_rss_gib, mean_keys, model_flops_per_token, run_environment
 from engine.model import ModelSpec, Unit
 from engine.model.attention import causal_attention, resolve_attention
 from engine.model.dense import LayerCompute
 from engine.optim import make_adamw
+from engine.streaming.gradients import GradAccumulator
 
 GIB = 2**30
 MODES = ("compiled", "eager")
@@ -350,20 +350,15 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
         with torch.no_grad(), autocast_ctx(device, compute_dtype):
             spec.layer(layer_p, x, rope, 0)
 
-    layout = spec.units[1].layout
-    grad_acc = torch.zeros(layout.numel, dtype=torch.float32, device=device)
-    grad_views = layout.views(grad_acc)
+    # the engine's accumulator: the fused kernel on CUDA, torch copies and adds on the CPU
+    grad_acc = GradAccumulator(Device(device), spec.units[1].layout, fused=on_device)
 
     def backward() -> None:
         x_in = x.detach().requires_grad_()
         with autocast_ctx(device, compute_dtype):
             y = spec.layer(layer_p, x_in, rope, 0)
         grads = torch.autograd.grad(y, [x_in] + [layer_p[n] for n in layer_names], grad_outputs=dy)[1:]
-        if on_device:
-            accumulate_layout(layout, grad_acc, dict(zip(layer_names, grads)))
-        else:
-            for name, g in zip(layer_names, grads):
-                grad_views[name].add_(g)
+        grad_acc.add(dict(zip(layer_names, grads)))
 
     def head() -> None:
         x_in = x.detach().requires_grad_()
@@ -380,7 +375,7 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
         measured.append(("head", head, head_flops, 0.0))
     prefix = "moe_" if moe else ""
     for name, fn, n_flops, attn_s in measured:
-        what = f"{prefix.replace('_', ' ')}{mode} {name}"
+        what = f"{'moe ' if moe else ''}{mode} {name}"
         seconds = median_s(fn, args, on_device, what)
         if seconds <= attn_s:
             raise RuntimeError(f"{what}: the layer took {seconds * 1e3:.3f} ms, its attention alone "

@@ -385,8 +385,10 @@ class Speeds:
         self.moe, self.moe_calibrated = moe, moe and hw[f"moe_fwd_tflops_{mode}"] > 0
         if self.moe_calibrated:
             self.fwd, self.bwd = (hw[f"moe_{k}_tflops_{mode}"] * 1e12 for k in ("fwd", "bwd"))
-        self.attn_fwd, self.attn_bwd = hw.attn_fwd_tflops * 1e12, hw.attn_bwd_tflops * 1e12
-        self.attn_calibrated = min(self.attn_fwd, self.attn_bwd) > 0
+        self.attn_calibrated = min(hw.attn_fwd_tflops, hw.attn_bwd_tflops) > 0
+        # without attention figures the layer rates time the attention too
+        self.attn_fwd, self.attn_bwd = (hw.attn_fwd_tflops * 1e12, hw.attn_bwd_tflops * 1e12) \
+            if self.attn_calibrated else (self.fwd, self.bwd)
         self.attention = attention
         self.h2d, self.d2h, self.bidir = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9, hw.bidir_gbps * 1e9
         # the host AdamW always runs while the forward streams, so its rate under PCIe load is the one used
@@ -396,8 +398,6 @@ class Speeds:
 
     def layer_fwd_s(self, s: "_Shape", forwards: int = 1) -> float:
         """Seconds of `forwards` forwards of one layer over the step's tokens, run without autograd."""
-        if not self.attn_calibrated:
-            return forwards * s.layer_fwd_flops / self.fwd
         other = s.layer_fwd_flops - s.layer_attn_fwd_flops
         return forwards * (other / self.fwd + s.layer_attn_fwd_flops / self.attn_fwd)
 
@@ -405,11 +405,8 @@ class Speeds:
         """Seconds of one layer's backward work worth `forwards` forwards of FLOPs (3: a forward with autograd, then
         the backward's two; 2 for a kept graph), at the backward rates, plus a chunked MLP's recompute of its
         checkpointed chunks (one MLP forward, at the forward rate)."""
-        mlp_recompute = s.mlp_recompute_flops / self.fwd
-        if not self.attn_calibrated:
-            return forwards * s.layer_fwd_flops / self.bwd + mlp_recompute
         other = s.layer_fwd_flops - s.layer_attn_fwd_flops
-        return forwards * (other / self.bwd + s.layer_attn_fwd_flops / self.attn_bwd) + mlp_recompute
+        return forwards * (other / self.bwd + s.layer_attn_fwd_flops / self.attn_bwd) + s.mlp_recompute_flops / self.fwd
 
     def describe(self, hw) -> str:
         line = f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"

@@ -91,7 +91,6 @@ from engine.checkpoint.state import (CheckpointSource, find_resume, list_checkpo
 from engine.fileio import sha256_file
 
 __all__ = ["CheckpointError", "CheckpointSource", "EngineSource", "LazyTensors", "SafetensorsFile", "check_hf_config",
-           "export_hf",
-           "find_resume", "hf_config_dict", "hf_dir_of", "import_hf", "list_checkpoints", "load_training_state",
-           "open_hf", "open_training_state", "rng_state", "run_fingerprint", "save_training_state", "set_rng_state",
-           "sha256_file", "write_safetensors"]
+           "export_hf", "find_resume", "hf_config_dict", "hf_dir_of", "import_hf", "list_checkpoints",
+           "load_training_state", "open_hf", "open_training_state", "rng_state", "run_fingerprint",
+           "save_training_state", "set_rng_state", "sha256_file", "write_safetensors"]
