@@ -11,7 +11,9 @@ m = fma(w, g - m, m), w = fp32(1 - beta1) (torch's `lerp_`; fma(w - 1, g - m, g)
 v = fma(fp32(1 - beta2) * g, g, v * beta2) (the contraction torch's compiler makes);
 p = p + (fp32(-lr / bc1) * m) / (sqrt(v) / fp32(sqrt(bc2)) + eps), with lr / bc1 in fp64. The kernel uses
 `div_rn`, `sqrt_rn` and explicit `fma`, and launches with `enable_fp_fusion=False`, so the GPU contracts nothing
-else and GPU, interpreter and the torch reference give the same bits. torch's CUDA fused AdamW orders the
+else and GPU, interpreter and the torch reference give the same bits. Divisions by a number fixed for the launch
+(fp32(sqrt(bc2)), an int8 code's top value) are `_div_by_constant`: an fp64 product with the host's fp64 reciprocal,
+rounded to fp32, which is the correctly rounded quotient without `div_rn`'s instruction sequence and branch. torch's CUDA fused AdamW orders the
 operations differently (`p -= lr * wd * p`, `m = beta1 * m + (1 - beta1) * g`), so it agrees to rounding only.
 Bias corrections bc1 = 1 - beta1**step, bc2 = 1 - beta2**step are computed on the host from the Python int `step`
 (the engine counts steps on the host); they reach the kernel as fp64 bits, lr and clip are read in the kernel.
@@ -34,7 +36,9 @@ Formats (master x moments, any combination; grad fp32 or bf16):
   still has a non-zero v code). Why not linear absmax codes: a v far below its block's max would round to 0 and its
   update m / (sqrt(0) + eps) would explode. For the same reason a positive v never encodes to 0: it rounds up to the
   smallest code at worst (its update shrinks, it never explodes). Encoding is integer arithmetic on the fp32 bits,
-  decoding builds the bits: exact on every device. A program owns whole blocks (a tile of [rows, block_size]) so it
+  decoding builds the bits: exact on every device. Neither converts between int and float (conversions issue at a
+quarter of the rate of fp32 arithmetic): a subnormal code is decoded as a normal one with an fma, and encoded as the
+normal code of x + 2**(1 - emax) less 8 (`_code_decode`, `_code_encode`). A program owns whole blocks (a tile of [rows, block_size]) so it
   computes each new absmax in registers. A block may span segments of different weight decay: decay is per element.
 
 Segments: `(start, numel, weight_decay)` tiling [0, numel) in order. Adjacent segments of equal decay are merged
@@ -98,20 +102,25 @@ SWEEP_OVERRIDE: Optional[Tuple[int, int]] = None  # (tile, num_warps) for every 
 TILE_INTERPRET = 65536  # the interpreter pays per program (a CPU test of the int8 format: 24 s at 8192, 14 s here)
 
 
+def _f64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
 def _code_constants(e_bits: int, m_bits: int) -> tuple:
     """Constants of an (e_bits, m_bits) code, precomputed (the interpreter cannot do arithmetic on constexprs):
-    (SHIFT, EXP_BIAS, N_SUB, HALF, CODE_BIAS, MAX_CODE, TOP, SUB_STEP, SUB_SCALE, MIN_NORMAL)."""
+    (SHIFT, EXP_BIAS, N_SUB, HALF, CODE_BIAS, SUB_BIAS, MAX_CODE, INV_TOP_BITS, MIN_NORMAL, NEG_MIN_NORMAL);
+    INV_TOP_BITS: the fp64 bits of 1 / TOP, TOP = 2 - 2**-m_bits the top code's value."""
     emax = 2**e_bits - 1
-    consts = (23 - m_bits, (127 - emax) << 23, 1 << m_bits, 1 << (22 - m_bits), (127 - emax) << m_bits,
-              2**(e_bits + m_bits) - 1, 2.0 - 2.0**-m_bits, 2.0 ** (1 - emax - m_bits), 2.0 ** (emax - 1 + m_bits),
-              2.0 ** (1 - emax))
+    code_bias = (127 - emax) << m_bits
+    consts = (23 - m_bits, (127 - emax) << 23, 1 << m_bits, 1 << (22 - m_bits), code_bias, code_bias + (1 << m_bits),
+              2**(e_bits + m_bits) - 1, _f64_bits(1.0 / (2.0 - 2.0**-m_bits)), 2.0 ** (1 - emax), -2.0 ** (1 - emax))
     return tuple(tl.constexpr(c) for c in consts)
 
 
-(M_SHIFT, M_EXP_BIAS, M_N_SUB, M_HALF, M_CODE_BIAS, M_MAX_CODE, M_TOP, M_SUB_STEP, M_SUB_SCALE,
- M_MIN_NORMAL) = _code_constants(*M_CODE)
-(V_SHIFT, V_EXP_BIAS, V_N_SUB, V_HALF, V_CODE_BIAS, V_MAX_CODE, V_TOP, V_SUB_STEP, V_SUB_SCALE,
- V_MIN_NORMAL) = _code_constants(*V_CODE)
+(M_SHIFT, M_EXP_BIAS, M_N_SUB, M_HALF, M_CODE_BIAS, M_SUB_BIAS, M_MAX_CODE, M_INV_TOP_BITS, M_MIN_NORMAL,
+ M_NEG_MIN_NORMAL) = _code_constants(*M_CODE)
+(V_SHIFT, V_EXP_BIAS, V_N_SUB, V_HALF, V_CODE_BIAS, V_SUB_BIAS, V_MAX_CODE, V_INV_TOP_BITS, V_MIN_NORMAL,
+ V_NEG_MIN_NORMAL) = _code_constants(*V_CODE)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -146,28 +155,45 @@ def _nearest_bf16_bits(x):
 
 
 @triton.jit
-def _code_decode(code, SHIFT: tl.constexpr, EXP_BIAS: tl.constexpr, N_SUB: tl.constexpr, SUB_STEP: tl.constexpr):
-    """fp32 value of mini-float codes (int32); the constants come from `_code_constants`."""
+def _code_decode(code, SHIFT: tl.constexpr, EXP_BIAS: tl.constexpr, N_SUB: tl.constexpr,
+                 NEG_MIN_NORMAL: tl.constexpr):
+    """fp32 value of mini-float codes (int32); the constants come from `_code_constants`. A code below N_SUB
+    (exponent field 0) read as a normal number is MIN_NORMAL / 2 * (1 + f / N_SUB); twice that minus MIN_NORMAL is
+    its subnormal value f * MIN_NORMAL / N_SUB, exactly (one fma, no int -> float conversion)."""
     normal = ((code << SHIFT) + EXP_BIAS).to(tl.float32, bitcast=True)
-    return tl.where(code < N_SUB, code.to(tl.float32) * SUB_STEP, normal)
+    return tl.where(code < N_SUB, tl.fma(normal, 2.0, NEG_MIN_NORMAL), normal)
 
 
 @triton.jit
-def _code_encode(x, SHIFT: tl.constexpr, HALF: tl.constexpr, CODE_BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
-                 SUB_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr):
-    """Nearest code of fp32 x >= 0 (ties away from zero), saturating at MAX_CODE (NaN too)."""
-    normal = ((x.to(tl.int32, bitcast=True) + HALF) >> SHIFT) - CODE_BIAS
-    sub = tl.floor(tl.minimum(x, MIN_NORMAL) * SUB_SCALE + 0.5).to(tl.int32)  # clamped: no int32 overflow
-    return tl.minimum(tl.where(x < MIN_NORMAL, sub, normal), MAX_CODE)
+def _code_encode(x, SHIFT: tl.constexpr, HALF: tl.constexpr, CODE_BIAS: tl.constexpr, SUB_BIAS: tl.constexpr,
+                 MAX_CODE: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """Nearest code of fp32 x >= 0 (ties away from zero), saturating at MAX_CODE (NaN too). Below MIN_NORMAL the
+    code of x is that of x + MIN_NORMAL (fp32 sum) less N_SUB (SUB_BIAS = CODE_BIAS + N_SUB): integer arithmetic only, no float -> int
+    conversion."""
+    sub = x < MIN_NORMAL
+    y = tl.where(sub, x + MIN_NORMAL, x)
+    code = ((y.to(tl.int32, bitcast=True) + HALF) >> SHIFT) - tl.where(sub, SUB_BIAS, CODE_BIAS)
+    return tl.minimum(code, MAX_CODE)
 
 
 @triton.jit
-def _block_scale(val, TOP: tl.constexpr):
+def _block_scale(val, INV_TOP_BITS: tl.constexpr):
     """Per-row absmax / TOP of [R, G, 8] values, NaN if a row holds a NaN. One integer max over the bits of |val|
     finds both: for non-negative floats the int32 order of the bits is the order of the values, and every NaN lies
-    above +inf (a float max may drop a NaN, which took a second reduction)."""
+    above +inf (a float max may drop a NaN). The division is `_div_by_constant` (correctly rounded)."""
     amax = tl.max(tl.max(tl.abs(val).to(tl.int32, bitcast=True), axis=2), axis=1).to(tl.float32, bitcast=True)
-    return tl.where(amax != amax, float("nan"), tl.math.div_rn(amax, TOP))
+    return _div_by_constant(amax, tl.full([], INV_TOP_BITS, tl.int64).to(tl.float64, bitcast=True))
+
+
+@triton.jit
+def _div_by_constant(x, inv64):
+    """fp32 x / c, correctly rounded, for fp32 x and c with inv64 = fp64(1 / c): fp32(fp64(x) * inv64). The fp64
+    product is within 2**-52 (relative) of x / c, and x / c of two fp32 numbers is never closer than 2**-50 to a
+    midpoint between fp32 neighbours (x = mid * c would need a 25-bit odd significand times c's to fit in 24
+    bits), so rounding the product to fp32 rounds x / c. Valid while x / c is a normal fp32 number or 0, inf or
+    NaN (x = inf gives inf, as x / c does). Two conversions and a multiply, against ~11 instructions and a branch
+    for a `div_rn`."""
+    return (x.to(tl.float64) * inv64).to(tl.float32)
 
 
 @triton.jit
@@ -183,66 +209,76 @@ def _run_decay(run_ptr, n_runs, r, lr64):
     return (1.0 - lr64 * wd).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["numel", "n_runs", "bc1_bits", "group0", "kp_lo", "kp_hi", "km_lo", "km_hi",
-                               "kv_lo", "kv_hi"])
+@triton.jit(do_not_specialize=["numel", "n_runs", "bc1_bits", "inv_bc2_bits", "group0", "kp_lo", "kp_hi", "km_lo",
+                               "km_hi", "kv_lo", "kv_hi"])
 def _adamw_kernel(p_ptr, m_ptr, v_ptr, g_ptr, w_ptr, ms_ptr, vs_ptr, lr_ptr, clip_ptr, run_ptr, n_runs, numel,
-                  bc1_bits, bc2_sqrt, lerp_coef, beta2, one_minus_beta2, eps, group0,
+                  bc1_bits, inv_bc2_bits, lerp_coef, beta2, one_minus_beta2, eps, group0,
                   kp_lo, kp_hi, km_lo, km_hi, kv_lo, kv_hi,
                   R: tl.constexpr, G: tl.constexpr, NR_POW2: tl.constexpr, LERP_SMALL: tl.constexpr,
                   MASTER_BF16: tl.constexpr, MOMENTS: tl.constexpr, WITH_WEIGHTS: tl.constexpr):
     TILE: tl.constexpr = R * G * 8
     pid = tl.program_id(0).to(tl.int64)
     tile_start = pid * TILE
-    rows = tl.arange(0, R)[:, None, None]
-    groups = tl.arange(0, G)[None, :, None]
+    # 32-bit offsets inside the tile from pointers moved to its start: 64-bit index arithmetic per element costs
+    # two instructions per add and compare
     col = tl.arange(0, 8)[None, None, :]
-    idx = tile_start + rows * (G * 8) + groups * 8 + col
-    full = tile_start + TILE <= numel
-    tile_end = tl.minimum(tile_start + TILE, numel)
+    offs = tl.arange(0, R)[:, None, None] * (G * 8) + tl.arange(0, G)[None, :, None] * 8 + col
+    rem = tl.minimum(numel - tile_start, TILE).to(tl.int32)
+    full = rem == TILE
+    p_ptr += tile_start
+    m_ptr += tile_start
+    v_ptr += tile_start
+    g_ptr += tile_start
+    w_ptr += tile_start
 
-    # per-element weight-decay factor: the run of the tile's first element, then any run starting inside it
     lr64 = tl.load(lr_ptr).to(tl.float64)
-    run_rows = tl.arange(0, NR_POW2)
-    starts = tl.load(run_ptr + run_rows, mask=(run_rows >= 1) & (run_rows < n_runs), other=2**62)
-    r = tl.sum((starts <= tile_start).to(tl.int32), axis=0)
-    decay = tl.full([R, G, 8], 0.0, tl.float32) + _run_decay(run_ptr, n_runs, r, lr64)
-    next_start = tl.load(run_ptr + r + 1)
-    while next_start < tile_end:
-        r += 1
-        decay = tl.where(idx >= next_start, _run_decay(run_ptr, n_runs, r, lr64), decay)
-        next_start = tl.load(run_ptr + r + 1)
-
     # fp64 `/` is correctly rounded on the GPU (div.rn.f64; only fp32 `/` is approximate there)
     step_size = (-(lr64 / bc1_bits.to(tl.int64).to(tl.float64, bitcast=True))).to(tl.float32)
-    g = to_fp32(load_tile(g_ptr, idx, numel, full)) * tl.load(clip_ptr)
+    inv_bc2 = inv_bc2_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    g = to_fp32(load_tile(g_ptr, offs, rem, full)) * tl.load(clip_ptr)
     if MASTER_BF16:
-        p = _bf16_bits_to_fp32(load_tile(p_ptr, idx, numel, full))
+        p = _bf16_bits_to_fp32(load_tile(p_ptr, offs, rem, full))
     else:
-        p = load_tile(p_ptr, idx, numel, full)
+        p = load_tile(p_ptr, offs, rem, full)
     if MOMENTS == 2:
         blocks = pid * R + tl.arange(0, R)
         n_blocks = (numel + G * 8 - 1) // (G * 8)
         m_scale = tl.load(ms_ptr + blocks, mask=blocks < n_blocks, other=0.0)[:, None, None]
         v_scale = tl.load(vs_ptr + blocks, mask=blocks < n_blocks, other=0.0)[:, None, None]
-        m_code = load_tile(m_ptr, idx, numel, full).to(tl.int32)
-        m_mag = _code_decode(m_code & 0x7F, M_SHIFT, M_EXP_BIAS, M_N_SUB, M_SUB_STEP) * m_scale
+        m_code = load_tile(m_ptr, offs, rem, full).to(tl.int32)
+        m_mag = _code_decode(m_code & 0x7F, M_SHIFT, M_EXP_BIAS, M_N_SUB, M_NEG_MIN_NORMAL) * m_scale
         m = tl.where(m_code < 0, -m_mag, m_mag)
-        v = _code_decode(load_tile(v_ptr, idx, numel, full).to(tl.int32), V_SHIFT, V_EXP_BIAS, V_N_SUB,
-                         V_SUB_STEP) * v_scale
+        v = _code_decode(load_tile(v_ptr, offs, rem, full).to(tl.int32), V_SHIFT, V_EXP_BIAS, V_N_SUB,
+                         V_NEG_MIN_NORMAL) * v_scale
     elif MOMENTS == 1:
-        m = _bf16_bits_to_fp32(load_tile(m_ptr, idx, numel, full))
-        v = _bf16_bits_to_fp32(load_tile(v_ptr, idx, numel, full))
+        m = _bf16_bits_to_fp32(load_tile(m_ptr, offs, rem, full))
+        v = _bf16_bits_to_fp32(load_tile(v_ptr, offs, rem, full))
     else:
-        m = load_tile(m_ptr, idx, numel, full)
-        v = load_tile(v_ptr, idx, numel, full)
+        m = load_tile(m_ptr, offs, rem, full)
+        v = load_tile(v_ptr, offs, rem, full)
 
-    p = p * decay
+    # weight decay: the run of the tile's first element; a per-element factor only in a tile a run starts inside
+    run_rows = tl.arange(0, NR_POW2)
+    starts = tl.load(run_ptr + run_rows, mask=(run_rows >= 1) & (run_rows < n_runs), other=2**62)
+    r = tl.sum((starts <= tile_start).to(tl.int32), axis=0)
+    next_start = tl.load(run_ptr + r + 1)
+    if next_start < tile_start + rem:
+        decay = tl.full([R, G, 8], 0.0, tl.float32) + _run_decay(run_ptr, n_runs, r, lr64)
+        while next_start < tile_start + rem:
+            r += 1
+            decay = tl.where(offs >= (next_start - tile_start).to(tl.int32), _run_decay(run_ptr, n_runs, r, lr64),
+                             decay)
+            next_start = tl.load(run_ptr + r + 1)
+        p = p * decay
+    else:
+        p = p * _run_decay(run_ptr, n_runs, r, lr64)
+
     if LERP_SMALL:
         m = tl.fma(lerp_coef, g - m, m)
     else:
         m = tl.fma(lerp_coef, g - m, g)
     v = tl.fma(one_minus_beta2 * g, g, v * beta2)
-    denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2_sqrt) + eps
+    denom = _div_by_constant(tl.math.sqrt_rn(v), inv_bc2) + eps
     p = p + tl.math.div_rn(step_size * m, denom)
 
     # Philox counters of the tile's 8-element groups, [R, G]
@@ -251,34 +287,34 @@ def _adamw_kernel(p_ptr, m_ptr, v_ptr, g_ptr, w_ptr, ms_ptr, vs_ptr, lr_ptr, cli
     c1 = (counter >> 32).to(tl.uint32)
     if MASTER_BF16:
         p_bits = _stochastic_bf16_bits(p, c0, c1, kp_lo.to(tl.uint32), kp_hi.to(tl.uint32), col)
-        store_tile(p_ptr, idx, numel, full, p_bits)
+        store_tile(p_ptr, offs, rem, full, p_bits)
         if WITH_WEIGHTS:
-            store_tile(w_ptr, idx, numel, full, p_bits)
+            store_tile(w_ptr, offs, rem, full, p_bits)
     else:
-        store_tile(p_ptr, idx, numel, full, p)
+        store_tile(p_ptr, offs, rem, full, p)
         if WITH_WEIGHTS:
-            store_tile(w_ptr, idx, numel, full, _nearest_bf16_bits(p))
+            store_tile(w_ptr, offs, rem, full, _nearest_bf16_bits(p))
     if MOMENTS == 2:
-        m_scale_new = _block_scale(m, M_TOP)
-        code = _code_encode(_normalised(m, m_scale_new), M_SHIFT, M_HALF, M_CODE_BIAS, M_MAX_CODE, M_SUB_SCALE,
+        m_scale_new = _block_scale(m, M_INV_TOP_BITS)
+        code = _code_encode(_normalised(m, m_scale_new), M_SHIFT, M_HALF, M_CODE_BIAS, M_SUB_BIAS, M_MAX_CODE,
                             M_MIN_NORMAL)
         code = tl.where((m < 0) & (code > 0), code + 128, code)
-        store_tile(m_ptr, idx, numel, full, code.to(tl.int8))
-        v_scale_new = _block_scale(v, V_TOP)
-        code = _code_encode(_normalised(v, v_scale_new), V_SHIFT, V_HALF, V_CODE_BIAS, V_MAX_CODE, V_SUB_SCALE,
+        store_tile(m_ptr, offs, rem, full, code.to(tl.int8))
+        v_scale_new = _block_scale(v, V_INV_TOP_BITS)
+        code = _code_encode(_normalised(v, v_scale_new), V_SHIFT, V_HALF, V_CODE_BIAS, V_SUB_BIAS, V_MAX_CODE,
                             V_MIN_NORMAL)
         code = tl.where((code == 0) & (v > 0), 1, code)
-        store_tile(v_ptr, idx, numel, full, code.to(tl.uint8))
+        store_tile(v_ptr, offs, rem, full, code.to(tl.uint8))
         tl.store(ms_ptr + blocks, m_scale_new, mask=blocks < n_blocks)
         tl.store(vs_ptr + blocks, v_scale_new, mask=blocks < n_blocks)
     elif MOMENTS == 1:
-        store_tile(m_ptr, idx, numel, full, _stochastic_bf16_bits(m, c0, c1, km_lo.to(tl.uint32),
+        store_tile(m_ptr, offs, rem, full, _stochastic_bf16_bits(m, c0, c1, km_lo.to(tl.uint32),
                                                                   km_hi.to(tl.uint32), col))
-        store_tile(v_ptr, idx, numel, full, _stochastic_bf16_bits(v, c0, c1, kv_lo.to(tl.uint32),
+        store_tile(v_ptr, offs, rem, full, _stochastic_bf16_bits(v, c0, c1, kv_lo.to(tl.uint32),
                                                                   kv_hi.to(tl.uint32), col))
     else:
-        store_tile(m_ptr, idx, numel, full, m)
-        store_tile(v_ptr, idx, numel, full, v)
+        store_tile(m_ptr, offs, rem, full, m)
+        store_tile(v_ptr, offs, rem, full, v)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -287,10 +323,6 @@ def _adamw_kernel(p_ptr, m_ptr, v_ptr, g_ptr, w_ptr, ms_ptr, vs_ptr, lr_ptr, cli
 _RUN_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _RUN_CACHE_SIZE = 256
 _RUN_LOCK = threading.Lock()
-
-
-def _f64_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def _fp32(x: float) -> float:
@@ -457,6 +489,7 @@ def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: t
     w = _fp32(1.0 - beta1)
     lerp_small = abs(w) < 0.5
     lerp_coef = w if lerp_small else _fp32(w - 1.0)  # w - 1 is exact in fp32 for w in [0.5, 1]
+    bc2_sqrt = _fp32(math.sqrt(1.0 - beta2 ** float(step)))  # the kernel divides by it as `_div_by_constant`
     keys = adamw_stream_seeds(seed)
     # + 2**32: every half reaches the kernel as an int64 (Triton types an int argument by its value, so a half
     # below 2**31 would be int32 and compile another variant); the kernel's uint32 cast drops the 2**32
@@ -471,8 +504,7 @@ def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: t
     _adamw_kernel[grid](bits16(master), bits16(m), bits16(v), grad,
                         weights_out.view(torch.int16) if weights_out is not None else dummy,
                         m_scales if quantized else dummy, v_scales if quantized else dummy, lr, clip, table,
-                        len(runs), numel, _f64_bits(1.0 - beta1 ** float(step)),
-                        _fp32(math.sqrt(1.0 - beta2 ** float(step))), lerp_coef, _fp32(beta2), _fp32(1.0 - beta2),
-                        _fp32(eps), offset // 8, *halves, R=R, G=G, NR_POW2=max(2, triton.next_power_of_2(len(runs))),
+                        len(runs), numel, _f64_bits(1.0 - beta1 ** float(step)), _f64_bits(1.0 / bc2_sqrt),
+                        lerp_coef, _fp32(beta2), _fp32(1.0 - beta2), _fp32(eps), offset // 8, *halves, R=R, G=G, NR_POW2=max(2, triton.next_power_of_2(len(runs))),
                         LERP_SMALL=lerp_small, MASTER_BF16=master.dtype == torch.bfloat16, MOMENTS=moments,
                         WITH_WEIGHTS=weights_out is not None, num_warps=num_warps, enable_fp_fusion=False)

@@ -302,12 +302,14 @@ def code_decode_reference(code: torch.Tensor, e_bits: int, m_bits: int) -> torch
 
 def code_encode_reference(x: torch.Tensor, e_bits: int, m_bits: int) -> torch.Tensor:
     """Nearest code (ties away from zero) of fp32 x >= 0 in the code of `code_decode_reference`, saturating at the
-    largest code (NaN saturates too). int64."""
+    largest code (NaN saturates too). int64. Below the smallest normal value n (subnormal codes) x is encoded as
+    the normal code of the fp32 sum x + n, less 2**m_bits: the same rounding, in integer arithmetic."""
     emax = 2**e_bits - 1
-    b = x.view(torch.int32).to(torch.int64)
-    normal = ((b + (1 << (22 - m_bits))) >> (23 - m_bits)) - ((127 - emax) << m_bits)
-    sub = torch.floor(x.clamp(max=2.0 ** (1 - emax)) * 2.0 ** (emax - 1 + m_bits) + 0.5).to(torch.int64)
-    code = torch.where(x < 2.0 ** (1 - emax), sub, normal)
+    min_normal = 2.0 ** (1 - emax)
+    sub = x < min_normal
+    b = torch.where(sub, x + min_normal, x).view(torch.int32).to(torch.int64)
+    code = ((b + (1 << (22 - m_bits))) >> (23 - m_bits)) - ((127 - emax) << m_bits)
+    code = torch.where(sub, code - (1 << m_bits), code)
     return code.clamp(max=2**(e_bits + m_bits) - 1)
 
 

@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import engine.kernels.adamw_update as A
 from engine.kernels.reference import (M_CODE, V_CODE, adamw_update_reference, code_decode_reference,
@@ -239,6 +241,53 @@ def test_code_round_trip_within_bound(e_bits, m_bits):
     min_normal = 2.0 ** (1 - emax)
     bound = torch.where(x >= min_normal, x * 2.0 ** -(m_bits + 1), torch.full_like(x, 2.0 ** (-emax - m_bits)))
     assert torch.all(err <= bound * (1 + 1e-6))
+
+
+@triton.jit
+def _div_by_constant_kernel(x_ptr, out_ptr, inv_bits, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, A._div_by_constant(x, inv_bits.to(tl.int64).to(tl.float64, bitcast=True)),
+             mask=offs < n)
+
+
+def divisor_cases():
+    """Divisors the kernel uses: sqrt(1 - beta2**step) over the steps of a run, and the codes' top values."""
+    cs = [A._fp32(math.sqrt(1.0 - beta2 ** float(step))) for beta2 in (0.95, 0.999, 0.99999)
+          for step in (1, 2, 3, 7, 100, 12345)]
+    return cs + [2.0 - 2.0 ** -M_CODE[1], 2.0 - 2.0 ** -V_CODE[1], A._fp32(math.pi)]
+
+
+def dividends(c: float, n: int, seed: int) -> torch.Tensor:
+    """Random fp32 over many binades, values whose quotient by c lies next to a midpoint between fp32 neighbours
+    (the cases a wrong rounding would show), and 0, inf, NaN, the smallest normal and subnormal numbers."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.exp2(torch.randint(-120, 100, (n,), generator=g).float()) * (1 + torch.rand(n, generator=g))
+    q = torch.exp2(torch.randint(-100, 80, (n,), generator=g).float()) * (1 + torch.rand(n, generator=g))
+    q_bits = q.view(torch.int32)
+    mid = (q.double() + (q_bits + 1).view(torch.float32).double()) / 2
+    near_mid = (mid * c).float()
+    special = torch.tensor([0.0, float("inf"), float("nan"), 2.0**-126, 2.0**-149, 3.4e38, 1.0])
+    return torch.cat([spread, near_mid, (near_mid.view(torch.int32) + 1).view(torch.float32), special])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_division_by_a_constant_is_correctly_rounded(device, request):
+    if device == "cuda":
+        request.getfixturevalue("cuda")
+    elif not A.uses_triton(torch.device("cpu")):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    n = 200_000 if device == "cuda" else 20_000
+    for i, c in enumerate(divisor_cases()):
+        x = dividends(c, n, seed=i)
+        want = x / torch.tensor(c, dtype=torch.float32)  # torch's fp32 division: IEEE, correctly rounded
+        got = torch.empty_like(x, device=device)
+        _div_by_constant_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(device), got, A._f64_bits(1.0 / c),
+                                                                 x.numel(), BLOCK=1024)
+        got = got.cpu()
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan), f"c = {c}"  # NaN payloads may differ between devices
+        assert torch.equal(bits(got[~nan]), bits(want[~nan])), f"c = {c}"
 
 
 def test_int8_moments_error_bound_and_small_v_never_zero():
