@@ -2,6 +2,7 @@
 # One GPU-machine call: carried wheels, then the named stages, each writing JSONL and logs under $OUT.
 #   bash bench/gpu_session.sh tests kernels checkpoint housekeeping perf7b peers attention
 #   bash bench/gpu_session.sh adamw   # issue 18: the fused update kernel's GPU tests and bandwidth
+#   bash bench/gpu_session.sh adamwab # the same against .whl/base.tar (git archive <base> -o .whl/base.tar), one lease
 #   bash bench/gpu_session.sh formattests capacity14; bash bench/gpu_session.sh capacity32   # issue 18, full depth
 #   bash bench/gpu_session.sh quality # issue 18: qwen0_5b in three state formats side by side, 16.06M tokens each
 #   bash bench/gpu_session.sh context modelsize   # issue 5 (qwen7b, one sequence per step), issue 7 (4 layers each)
@@ -36,6 +37,15 @@ for stage in "$@"; do
     adamwcheck) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 200 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
                   tests/kernels/test_adamw_update.py > "$OUT/gpu_adamw_tests.log" 2>&1; tail -4 "$OUT/gpu_adamw_tests.log"
                 timeout 200 python3 bench/bench_adamw_update.py --out "$OUT/adamw_update.jsonl" 2>&1 | tail -20 ;;
+    adamwab) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 200 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+               tests/kernels/test_adamw_update.py > "$OUT/gpu_adamw_tests.log" 2>&1; tail -4 "$OUT/gpu_adamw_tests.log"
+             timeout 200 python3 bench/bench_adamw_update.py --out "$OUT/adamw_update.jsonl" 2>&1 | tail -20
+             if [ -f .whl/base.tar ]; then  # the same bench from the tree of another commit, same lease
+               rm -rf /tmp/base && mkdir -p /tmp/base && tar xf .whl/base.tar -C /tmp/base
+               timeout 200 python3 /tmp/base/bench/bench_adamw_update.py --out "$OUT/adamw_update_base.jsonl" \
+                 2>&1 | tail -20; fi
+             timeout 200 python3 bench/bench_adamw_update.py --models qwen7b --configs 256x1,512x1,512x2,1024x2,1024x4 \
+               --out "$OUT/adamw_update_sweep.jsonl" 2>&1 | tail -3 ;;
     adamwsmall) timeout 280 python3 bench/bench_adamw_update.py --models qwen7b,qwen32b \
                   --configs 256x1,256x2,512x2,512x4,1024x4,1024x8,2048x8,2048x16 --out "$OUT/adamw_update.jsonl" \
                   2>&1 | tail -3 ;;
