@@ -134,11 +134,12 @@ def bench_unit(torch, name: str, numel: int, segments, device: str, info: dict, 
         else:  # the check runs on a prefix: keep only that much of the initial state
             before = {k: (t[:CHECK_NUMEL + BLOCK_SIZE].clone() if isinstance(t, torch.Tensor) else t)
                       for k, t in st.items()}
+        block = BLOCK_SIZE if moments == "int8" else None
         for tile, num_warps in configs:
             A.SWEEP_OVERRIDE = None if tile is None else (tile, num_warps)
             shipped = tile is None
             if shipped:  # the per-format choice of launch_config: record what it is
-                R, G, num_warps = A.launch_config(torch.device(device), BLOCK_SIZE if moments == "int8" else None)
+                R, G, num_warps, _ = A.launch_config(torch.device(device), block)
                 tile = R * G * 8
             match = matches_reference(torch, st, before, segments, lr, clip)
             kernel_ms = time_ms(step_fn(A.adamw_update, st, segments, lr, clip))
@@ -150,6 +151,7 @@ def bench_unit(torch, name: str, numel: int, segments, device: str, info: dict, 
                          "kernel_ms": round(kernel_ms, 5), "kernel_gbps": round(gbps, 1),
                          "copy_ms": round(copy_ms, 5), "copy_gbps": round(copy_rate, 1),
                          "frac_of_copy": round(gbps / copy_rate, 3), "tile": tile, "num_warps": num_warps,
+                         "maxnreg": A.launch_config(torch.device(device), block)[3],
                          "shipped_launch": shipped,
                          "match": match, **info})
             print(json.dumps(rows[-1]), flush=True)

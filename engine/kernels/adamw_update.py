@@ -12,9 +12,10 @@ v = fma(fp32(1 - beta2) * g, g, v * beta2) (the contraction torch's compiler mak
 p = p + (fp32(-lr / bc1) * m) / (sqrt(v) / fp32(sqrt(bc2)) + eps), with lr / bc1 in fp64. The kernel uses
 `div_rn`, `sqrt_rn` and explicit `fma`, and launches with `enable_fp_fusion=False`, so the GPU contracts nothing
 else and GPU, interpreter and the torch reference give the same bits. Divisions by a number fixed for the launch
-(fp32(sqrt(bc2)), an int8 code's top value) are `_div_by_constant`: an fp64 product with the host's fp64 reciprocal,
-rounded to fp32, which is the correctly rounded quotient without `div_rn`'s instruction sequence and branch. torch's CUDA fused AdamW orders the
-operations differently (`p -= lr * wd * p`, `m = beta1 * m + (1 - beta1) * g`), so it agrees to rounding only.
+(fp32(sqrt(bc2)), an int8 code's top value) are `_div_by_constant`: an fp64 product with the host's fp64
+reciprocal, rounded to fp32, which is the correctly rounded quotient without `div_rn`'s instruction sequence and
+branch. torch's CUDA fused AdamW orders the operations differently (`p -= lr * wd * p`,
+`m = beta1 * m + (1 - beta1) * g`), so it agrees to rounding only.
 Bias corrections bc1 = 1 - beta1**step, bc2 = 1 - beta2**step are computed on the host from the Python int `step`
 (the engine counts steps on the host); they reach the kernel as fp64 bits, lr and clip are read in the kernel.
 
@@ -37,9 +38,10 @@ Formats (master x moments, any combination; grad fp32 or bf16):
   update m / (sqrt(0) + eps) would explode. For the same reason a positive v never encodes to 0: it rounds up to the
   smallest code at worst (its update shrinks, it never explodes). Encoding is integer arithmetic on the fp32 bits,
   decoding builds the bits: exact on every device. Neither converts between int and float (conversions issue at a
-quarter of the rate of fp32 arithmetic): a subnormal code is decoded as a normal one with an fma, and encoded as the
-normal code of x + 2**(1 - emax) less 8 (`_code_decode`, `_code_encode`). A program owns whole blocks (a tile of [rows, block_size]) so it
-  computes each new absmax in registers. A block may span segments of different weight decay: decay is per element.
+  quarter of the rate of fp32 arithmetic): a subnormal code is decoded as a normal one with an fma, and encoded as
+  the normal code of x + 2**(1 - emax) less 8 (`_code_decode`, `_code_encode`). A program owns whole blocks (a tile
+  of [rows, block_size]) so it computes each new absmax in registers. A block may span segments of different weight
+  decay: decay is per element.
 
 Segments: `(start, numel, weight_decay)` tiling [0, numel) in order. Adjacent segments of equal decay are merged
 (a decoder layer becomes two runs: its matrices, then its vectors) into a device table of run starts and decays,
@@ -94,9 +96,14 @@ BLOCK_SIZE_RANGE = formats.BLOCK_SIZE_RANGE  # int8 block sizes: powers of two i
 # for 1024 on 4 warps (adamw_update_h200_2026-12-04e.jsonl). One integer max per block for the scale and its NaN
 # (`_block_scale`) instead of two float reductions: 0.67 (fp32 master) and 0.61 (bf16 master), from 0.66 and 0.57
 # (adamw_update_h200_2026-12-06.jsonl against -04f.jsonl).
+# With int8 moments a program is one warp, so the SM holds at most 32 of them, and fewer at the ~90 registers per
+# thread the compiler picks: capped at 64 registers, 0.87 (bf16 master) and 0.97 (fp32 master) of the copy rate
+# against 0.81 and 0.91 uncapped (H100, qwen7b layer, adamw_ablation_h100_2026-12-06.jsonl; 56: within 1% of 64,
+# 48: spills, 0.85 and 0.87). The other formats gain nothing from a cap there (0.99-1.0 either way).
 TILE_GPU = 1024
 NUM_WARPS_GPU = 4
 INT8_ELEMS_PER_WARP = 256
+MAX_REGISTERS_INT8 = 64
 MAX_WARPS = 16
 SWEEP_OVERRIDE: Optional[Tuple[int, int]] = None  # (tile, num_warps) for every format: benchmark sweeps only
 TILE_INTERPRET = 65536  # the interpreter pays per program (a CPU test of the int8 format: 24 s at 8192, 14 s here)
@@ -168,8 +175,8 @@ def _code_decode(code, SHIFT: tl.constexpr, EXP_BIAS: tl.constexpr, N_SUB: tl.co
 def _code_encode(x, SHIFT: tl.constexpr, HALF: tl.constexpr, CODE_BIAS: tl.constexpr, SUB_BIAS: tl.constexpr,
                  MAX_CODE: tl.constexpr, MIN_NORMAL: tl.constexpr):
     """Nearest code of fp32 x >= 0 (ties away from zero), saturating at MAX_CODE (NaN too). Below MIN_NORMAL the
-    code of x is that of x + MIN_NORMAL (fp32 sum) less N_SUB (SUB_BIAS = CODE_BIAS + N_SUB): integer arithmetic only, no float -> int
-    conversion."""
+    code of x is that of x + MIN_NORMAL (fp32 sum) less N_SUB (SUB_BIAS = CODE_BIAS + N_SUB): integer arithmetic
+    only, no float -> int conversion."""
     sub = x < MIN_NORMAL
     y = tl.where(sub, x + MIN_NORMAL, x)
     code = ((y.to(tl.int32, bitcast=True) + HALF) >> SHIFT) - tl.where(sub, SUB_BIAS, CODE_BIAS)
@@ -257,21 +264,19 @@ def _adamw_kernel(p_ptr, m_ptr, v_ptr, g_ptr, w_ptr, ms_ptr, vs_ptr, lr_ptr, cli
         m = load_tile(m_ptr, offs, rem, full)
         v = load_tile(v_ptr, offs, rem, full)
 
-    # weight decay: the run of the tile's first element; a per-element factor only in a tile a run starts inside
+    # weight decay, per element: the run of the tile's first element, then any run starting inside the tile (rare).
+    # Branching around the per-element factor in the usual one-run tile was slower (H100: 0.74 of the copy rate
+    # against 0.81 with bf16 master and int8 moments, adamw_ablation_h100_2026-12-06.jsonl).
     run_rows = tl.arange(0, NR_POW2)
     starts = tl.load(run_ptr + run_rows, mask=(run_rows >= 1) & (run_rows < n_runs), other=2**62)
     r = tl.sum((starts <= tile_start).to(tl.int32), axis=0)
+    decay = tl.full([R, G, 8], 0.0, tl.float32) + _run_decay(run_ptr, n_runs, r, lr64)
     next_start = tl.load(run_ptr + r + 1)
-    if next_start < tile_start + rem:
-        decay = tl.full([R, G, 8], 0.0, tl.float32) + _run_decay(run_ptr, n_runs, r, lr64)
-        while next_start < tile_start + rem:
-            r += 1
-            decay = tl.where(offs >= (next_start - tile_start).to(tl.int32), _run_decay(run_ptr, n_runs, r, lr64),
-                             decay)
-            next_start = tl.load(run_ptr + r + 1)
-        p = p * decay
-    else:
-        p = p * _run_decay(run_ptr, n_runs, r, lr64)
+    while next_start < tile_start + rem:
+        r += 1
+        decay = tl.where(offs >= (next_start - tile_start).to(tl.int32), _run_decay(run_ptr, n_runs, r, lr64), decay)
+        next_start = tl.load(run_ptr + r + 1)
+    p = p * decay
 
     if LERP_SMALL:
         m = tl.fma(lerp_coef, g - m, m)
@@ -409,11 +414,14 @@ def layout_segments(layout, weight_decay: float) -> List[Tuple[int, int, float]]
     return segments
 
 
-def launch_config(device: torch.device, block_size: Optional[int]) -> Tuple[int, int, int]:
-    """(R, G, num_warps) of the [R, G, 8] tile: G * 8 = the int8 block size (R blocks per program), else R = 1."""
+def launch_config(device: torch.device, block_size: Optional[int]) -> Tuple[int, int, int, Optional[int]]:
+    """(R, G, num_warps, maxnreg) of the [R, G, 8] tile: G * 8 = the int8 block size (R blocks per program), else
+    R = 1; maxnreg: the register cap per thread (None: the compiler's choice)."""
     if device.type != "cuda":
-        tile, num_warps = TILE_INTERPRET, 1
-    elif SWEEP_OVERRIDE is not None:
+        return (1, TILE_INTERPRET // 8, 1, None) if block_size is None else \
+            (max(1, TILE_INTERPRET // block_size), block_size // 8, 1, None)
+    maxnreg = None if block_size is None else MAX_REGISTERS_INT8
+    if SWEEP_OVERRIDE is not None:
         tile, num_warps = SWEEP_OVERRIDE
     elif block_size is None:
         tile, num_warps = TILE_GPU, NUM_WARPS_GPU
@@ -421,8 +429,8 @@ def launch_config(device: torch.device, block_size: Optional[int]) -> Tuple[int,
         num_warps = max(1, min(MAX_WARPS, block_size // INT8_ELEMS_PER_WARP))
         tile = max(block_size, INT8_ELEMS_PER_WARP)
     if block_size is None:
-        return 1, tile // 8, num_warps
-    return max(1, tile // block_size), block_size // 8, num_warps
+        return 1, tile // 8, num_warps, maxnreg
+    return max(1, tile // block_size), block_size // 8, num_warps, maxnreg
 
 
 def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, *, lr: torch.Tensor,
@@ -484,7 +492,7 @@ def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: t
         return
     if numel == 0:
         return
-    R, G, num_warps = launch_config(device, block_size if quantized else None)
+    R, G, num_warps, maxnreg = launch_config(device, block_size if quantized else None)
     table = _run_table(runs, numel, device)
     w = _fp32(1.0 - beta1)
     lerp_small = abs(w) < 0.5
@@ -505,6 +513,8 @@ def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: t
                         weights_out.view(torch.int16) if weights_out is not None else dummy,
                         m_scales if quantized else dummy, v_scales if quantized else dummy, lr, clip, table,
                         len(runs), numel, _f64_bits(1.0 - beta1 ** float(step)), _f64_bits(1.0 / bc2_sqrt),
-                        lerp_coef, _fp32(beta2), _fp32(1.0 - beta2), _fp32(eps), offset // 8, *halves, R=R, G=G, NR_POW2=max(2, triton.next_power_of_2(len(runs))),
+                        lerp_coef, _fp32(beta2), _fp32(1.0 - beta2), _fp32(eps), offset // 8, *halves, R=R, G=G,
+                        NR_POW2=max(2, triton.next_power_of_2(len(runs))),
                         LERP_SMALL=lerp_small, MASTER_BF16=master.dtype == torch.bfloat16, MOMENTS=moments,
-                        WITH_WEIGHTS=weights_out is not None, num_warps=num_warps, enable_fp_fusion=False)
+                        WITH_WEIGHTS=weights_out is not None, num_warps=num_warps, enable_fp_fusion=False,
+                        **({} if maxnreg is None else {"maxnreg": maxnreg}))
