@@ -104,6 +104,9 @@ def run_row(run_dir: Path) -> dict:
     })
     for key in sorted({k for s in timed for k in s if k.endswith("_s") and k not in ("step_s",)}):
         row[f"median_{key}"] = _median(timed, key)
+    # the planner's phases next to the measured medians (plan_forward_s by median_forward_s, ...): where a miss is
+    row.update({f"plan_{phase}_s": t_s for phase, t_s in (summary.get("plan_times_s") or {}).items()
+                if phase != "step"})
     if cfg["model"].get("num_experts"):  # MoE: active parameters, and routing as the last logged step saw it
         row["active_params"] = count_params(OmegaConf.create(cfg["model"]), active=True)
         row.update({k: steps[-1].get(k) for k in ("balance_loss", "expert_load_max", "expert_load_min")

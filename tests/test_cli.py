@@ -101,6 +101,14 @@ def test_a_depth_truncated_run_is_labelled_and_extrapolated(tmp_path):
     assert row["depth_truncated"] and row["full_depth_layers"] == 4
     assert row["full_depth_step_s_extrapolated"] > row["step_s"]
     assert row["layer_tflops"] > 0
+    # the plan's phases go beside the measured ones (the CPU profile has no speeds: a GPU plan's phases here)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["plan_times_s"] = {"forward": 1.5, "backward": 2.5, "step": 4.25}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    planned = run_row(run_dir)
+    assert (planned["plan_forward_s"], planned["plan_backward_s"], planned["plan_step_s"]) == (1.5, 2.5, 4.25)
+    assert "plan_step_s" in row and not any(k.startswith("plan_") and k.endswith("_s") and k != "plan_step_s"
+                                            for k in row)
     assert "DEPTH-TRUNCATED 2/4 layers" in table([row])
     assert row["steps_logged"] == 3 and row["host_rss_peak_logged_gib"] > 0 and row["host_children_mem_gib"] >= 0
     # a run killed before its summary (a host OOM kill) still shows the memory its steps logged
