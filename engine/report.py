@@ -70,11 +70,17 @@ def run_row(run_dir: Path) -> dict:
     if not summary_path.exists():
         refused = run_dir / "refused.json"
         if refused.exists():
-            row["refused"] = json.loads(refused.read_text()).get("error")
+            record = json.loads(refused.read_text())
+            shape = record.get("shape") or {}
+            row.update({"model": shape.get("model.name"), "num_hidden_layers": shape.get("model.num_hidden_layers"),
+                        "seq_len": shape.get("train.seq_len"), "engine": shape.get("engine.name"),
+                        "hardware": shape.get("hardware.name"), **(record.get("environment") or {}),
+                        "refused": record.get("error")})
         else:
             row["error"] = "incomplete: no summary.json (the run crashed, was killed, or is still running)"
         return row
     summary = json.loads(summary_path.read_text())
+    row.update(summary.get("environment") or {})  # GPU, torch / triton, git revision, date of the run
     timed = steps[1:] if len(steps) > 1 else steps
     cfg = summary["config"]
     t = cfg["train"]
@@ -153,12 +159,23 @@ def table(rows: List[dict]) -> str:
                     + (f"; full depth ~{extrapolated:.1f} s/step (extrapolated), plan "
                        f"{_fmt(r.get('full_depth_plan_step_s'), '.1f')} s" if extrapolated else "") + ". " + note)
         lines.append(
-            f"{r.get('model', '?'):10} {_fmt(r.get('seq_len'), 'd'):>7} {_fmt(r.get('tokens_per_step'), 'd'):>9} "
+            f"{r.get('model') or '?':10} {_fmt(r.get('seq_len'), 'd'):>7} {_fmt(r.get('tokens_per_step'), 'd'):>9} "
             f"{_fmt(r.get('tokens_per_s'), '.0f'):>8} {_fmt(r.get('tflops')):>7} {_fmt(r.get('layer_tflops')):>7} "
             f"{_fmt(r.get('gpu_mem_gib')) + ' (' + _fmt(r.get('plan_gpu_gib')) + ')':>15} "
             f"{_fmt(r.get('host_mem_gib')) + ' (' + _fmt(r.get('plan_host_gib')) + ')':>16} "
             f"{r.get('attention') or '-':>9}  {note.splitlines()[0][:100] if note else ''}")
     return "\n".join(lines)
+
+
+def plot_title(rows: List[dict]) -> str:
+    """What the rows have in common: the model (or the models, in x order, for a model-size sweep), the hardware
+    and the engine, of the finished runs (the ones on the plot)."""
+    rows = [r for r in rows if r.get("tflops") is not None] or rows
+
+    def common(key: str) -> str:
+        seen = list(dict.fromkeys(str(r[key]) for r in rows if r.get(key) is not None))
+        return ", ".join(seen) if seen else "?"
+    return f"{common('model')} on {common('hardware')} ({common('gpu')}), engine {common('engine')}"
 
 
 def plot(rows: List[dict], x_key: str, png: Path, title: str) -> None:
@@ -177,10 +194,16 @@ def plot(rows: List[dict], x_key: str, png: Path, title: str) -> None:
     xs = [r[x_key] for r in done]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     ax.plot(xs, [r["tflops"] for r in done], "o-", color="tab:blue", label="model TFLOPS")
-    for r in done:
+    if any(r.get("layer_tflops") is not None for r in done):
+        ax.plot(xs, [r.get("layer_tflops") for r in done], "^:", color="tab:purple", label="decoder-layer TFLOPS")
+    models = {r.get("model") for r in done}
+    for r in done:  # name each point by what varies (the model in a size sweep) and mark depth-truncated runs
+        label = r.get("model") if len(models) > 1 else ""
         if r.get("depth_truncated"):
-            ax.annotate(f"depth-truncated {r['num_hidden_layers']}/{r['full_depth_layers']}", (r[x_key], r["tflops"]),
-                        fontsize=7, textcoords="offset points", xytext=(4, 4))
+            label += f" (depth-truncated {r['num_hidden_layers']}/{r['full_depth_layers']})"
+        if label:
+            ax.annotate(label.strip(), (r[x_key], r["tflops"]), fontsize=7, textcoords="offset points",
+                        xytext=(4, 4))
     ax.set_xscale("log", base=2)
     ax.set_xlabel(x_key)
     ax.set_ylabel("model TFLOPS", color="tab:blue")
@@ -220,9 +243,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     jsonl = args.jsonl or args.dirs[0] / "report.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = args.png or args.dirs[0] / "report.png"
-    first = next((r for r in rows if "model" in r), {})
-    plot(rows, args.x, png, f"{first.get('model', '?')} on {first.get('hardware', '?')}, engine "
-                            f"{first.get('engine', '?')}")
+    plot(rows, args.x, png, plot_title(rows))
     print(f"rows -> {jsonl}\nplot -> {png}")
     return 0
 

@@ -42,14 +42,14 @@ from typing import Optional
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from engine import checkpoint, distributed, hardware, optim
 from engine.checkpoint import CheckpointError
 from engine.config import ConfigError, to_plain, validate
 from engine.data import DataError, build_data
 from engine.device import resolve_compute_dtype, resolve_device
-from engine.metrics import MetricsLogger, gpu_peak_mem_gib, host_peak_rss_gib
+from engine.metrics import MetricsLogger, gpu_peak_mem_gib, host_peak_rss_gib, run_environment
 from engine.model import ModelSpec
 from engine.model.attention import resolve_attention
 from engine.model.dense import LayerCompute, resolve_mlp_chunk_tokens
@@ -314,7 +314,7 @@ class Trainer:
                          "plan_times_s": self.plan.times_s, "attention": self.layer_compute.attention,
                          "mlp_chunk_tokens": self.layer_compute.mlp_chunk_tokens,
                          "memory_bytes": self.engine.memory_bytes(), "start_step": self.start_step,
-                         "depth_truncated": self.depth_truncated}
+                         "depth_truncated": self.depth_truncated, "environment": run_environment()}
         stopped = None
         try:
             with _StopSignals() as signals:
@@ -473,7 +473,10 @@ def main(cfg: DictConfig) -> dict:
         print(f"error: {err}", file=sys.stderr)
         if multirun:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "refused.json").write_text(json.dumps({"error": str(err), "kind": type(err).__name__}))
+            shape = {key: OmegaConf.select(cfg, key) for key in ("model.name", "model.num_hidden_layers",
+                                                                 "train.seq_len", "engine.name", "hardware.name")}
+            (run_dir / "refused.json").write_text(json.dumps({"error": str(err), "kind": type(err).__name__,
+                                                              "shape": shape, "environment": run_environment()}))
             return {"refused": str(err)}
         if hydra_cfg is not None:
             _remove_unused_run_dir(run_dir)

@@ -78,6 +78,9 @@ def test_sweep_report_turns_run_dirs_into_rows_a_table_and_a_plot(tmp_path):
     refused = [r for r in rows if "refused" in r]
     assert len(refused) == 1 and "max_position_embeddings" in refused[0]["refused"]
     assert "train.seq_len=100000" in refused[0]["overrides"]
+    assert (refused[0]["model"], refused[0]["seq_len"]) == ("tiny", 100000)  # a refused row still says what it was
+    for r in finished + refused:  # where and when: every row carries the run's environment
+        assert r["gpu"] == "cpu" and r["torch"] == torch.__version__ and r["git_sha"] and r["date"]
     assert "max_position_embeddings" in out.stdout  # the table shows why the job was refused
     assert (tmp_path / "ctx.png").stat().st_size > 10_000
 
