@@ -1,0 +1,28 @@
+"""bench/sass_count.py: the update kernel compiled for sm_90 without a GPU, its instructions counted."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import engine.kernels.adamw_update as A
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_int8_kernel_compiles_for_sm90_within_its_register_cap():
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
+        pytest.skip("this triton wheel carries no NVIDIA tools")
+    out = subprocess.run([sys.executable, "bench/sass_count.py", "--formats", "bf16/int8,fp32/fp32", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    int8, fp32 = (json.loads(line) for line in out.stdout.splitlines())
+    assert int8["elements_per_thread"] == 8 and fp32["elements_per_thread"] == 8
+    assert 0 < int8["registers"] <= A.MAX_REGISTERS_INT8  # the launch's cap reaches the compiled kernel
+    for row in (int8, fp32):
+        assert row["ops"]["MUFU.RSQ"] >= 8  # sqrt_rn's fast path, once per element a thread holds
+        assert 40 < row["instructions"] / 8 < 400
+    assert int8["instructions"] > fp32["instructions"]  # decoding and encoding the 8-bit codes costs instructions
