@@ -26,3 +26,21 @@ def test_int8_kernel_compiles_for_sm90_within_its_register_cap():
         assert row["ops"]["MUFU.RSQ"] >= 8  # sqrt_rn's fast path, once per element a thread holds
         assert 40 < row["instructions"] / 8 < 400
     assert int8["instructions"] > fp32["instructions"]  # decoding and encoding the 8-bit codes costs instructions
+
+
+def test_every_ablation_variant_still_applies_and_loads(tmp_path):
+    """bench/ablate_adamw_update.py patches the kernel's source by text: each patch must still find its text, and
+    each patched module must import, or the GPU call that times them would fail."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import ablate_adamw_update as ab
+
+    base = tmp_path / "base" / "engine" / "kernels"
+    base.mkdir(parents=True)
+    (base / "adamw_update.py").write_text(ab.SOURCE.read_text())
+    sources = ab.variant_sources(list(ab.VARIANTS), tmp_path / "base")
+    assert set(sources) == set(ab.VARIANTS) | {"base"}
+    for name, (_, text) in sources.items():
+        assert (text == ab.SOURCE.read_text()) == (name in ("shipped", "base"))
+        assert callable(ab.load(name, text).adamw_update)
+    with pytest.raises(SystemExit, match="unknown variant"):
+        ab.variant_sources(["nope"], None)
