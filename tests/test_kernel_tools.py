@@ -1,4 +1,4 @@
-"""bench/sass_count.py: the update kernel compiled for sm_90 without a GPU, its instructions counted."""
+"""bench/sass_count.py and bench/ablate_adamw_update.py: the update-kernel tools that run (or prepare) without a GPU."""
 
 import json
 import subprocess
