@@ -2,7 +2,8 @@
 # One GPU-machine call: carried wheels, then the named stages, each writing JSONL and logs under $OUT.
 #   bash bench/gpu_session.sh tests kernels checkpoint housekeeping perf7b peers attention
 #   bash bench/gpu_session.sh adamw   # issue 18: the fused update kernel's GPU tests and bandwidth
-#   bash bench/gpu_session.sh adamwab # the same against .whl/base.tar (git archive <base> -o .whl/base.tar), one lease
+#   bash bench/gpu_session.sh adamwab adamwablate # the same against .whl/base.tar (git archive <base> -o
+#     .whl/base.tar), one lease; then the kernel variants of bench/ablate_adamw_update.py, base included
 #   bash bench/gpu_session.sh formattests capacity14; bash bench/gpu_session.sh capacity32   # issue 18, full depth
 #   bash bench/gpu_session.sh quality # issue 18: qwen0_5b in three state formats side by side, 16.06M tokens each
 #   bash bench/gpu_session.sh context modelsize   # issue 5 (qwen7b, one sequence per step), issue 7 (4 layers each)
@@ -46,6 +47,8 @@ for stage in "$@"; do
                  2>&1 | tail -20; fi
              timeout 200 python3 bench/bench_adamw_update.py --models qwen7b --configs 256x1,512x1,512x2,1024x2,1024x4 \
                --out "$OUT/adamw_update_sweep.jsonl" 2>&1 | tail -3 ;;
+    adamwablate) timeout 200 python3 bench/ablate_adamw_update.py --out "$OUT/adamw_ablation.jsonl" \
+                   $([ -d /tmp/base ] && echo --base-tree /tmp/base) 2>&1 | tail -3 ;;  # after adamwab: with base
     adamwsmall) timeout 280 python3 bench/bench_adamw_update.py --models qwen7b,qwen32b \
                   --configs 256x1,256x2,512x2,512x4,1024x4,1024x8,2048x8,2048x16 --out "$OUT/adamw_update.jsonl" \
                   2>&1 | tail -3 ;;
