@@ -268,7 +268,8 @@ def dividends(c: float, n: int, seed: int) -> torch.Tensor:
     mid = (q.double() + (q_bits + 1).view(torch.float32).double()) / 2
     near_mid = (mid * c).float()
     special = torch.tensor([0.0, float("inf"), float("nan"), 2.0**-126, 2.0**-149, 3.4e38, 1.0])
-    return torch.cat([spread, near_mid, (near_mid.view(torch.int32) + 1).view(torch.float32), special])
+    subnormal = torch.arange(1, 4096, dtype=torch.int32).view(torch.float32)  # a block scale's amax can be one
+    return torch.cat([spread, near_mid, (near_mid.view(torch.int32) + 1).view(torch.float32), special, subnormal])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
