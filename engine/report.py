@@ -108,7 +108,7 @@ def run_row(run_dir: Path) -> dict:
         # data parallel: the job's ranks, and the host memory of all of them (host_mem_gib is rank 0's)
         "ranks": summary.get("ranks", 1), "host_mem_gib_all_ranks": summary.get("peak_host_mem_gib_all_ranks"),
     })
-    for key in sorted({k for s in timed for k in s if k.endswith("_s") and k not in ("step_s",)}):
+    for key in sorted({k for s in timed for k in s if k.endswith(("_s", "_gbps")) and k not in ("step_s",)}):
         row[f"median_{key}"] = _median(timed, key)
     # the planner's phases next to the measured medians (plan_forward_s by median_forward_s, ...): where a miss is
     row.update({f"plan_{phase}_s": t_s for phase, t_s in (summary.get("plan_times_s") or {}).items()

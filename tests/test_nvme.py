@@ -50,6 +50,12 @@ def test_stream_with_moments_on_disk_matches_reference(direct, tmp_path):
     ref_rec, ref_w, ref_m, _ = train("reference", [], steps=4)
     rec, w, m, _ = train("stream", nvme_overrides(tmp_path, 2, direct), steps=4)
     assert [r["loss"] for r in rec] == [r["loss"] for r in ref_rec]
+    # from the second step on, each record carries the previous optimizer pass's disk traffic: the moments of the
+    # disk layers, each read once and written once, the same bytes every pass
+    assert "nvme_read_gb" not in rec[0]
+    traffic = {(r["nvme_read_gb"], r["nvme_write_gb"]) for r in rec[1:]}
+    assert len(traffic) == 1 and len({*traffic.pop()}) == 1
+    assert all(r["nvme_read_gbps"] > 0 and r["nvme_write_gbps"] > 0 and r["nvme_read_s"] > 0 for r in rec[1:])
     assert [r["grad_norm"] for r in rec] == [r["grad_norm"] for r in ref_rec]
     assert_same(w, ref_w)
     assert_same(m, ref_m)  # read back from the file
@@ -86,6 +92,12 @@ def test_file_pipeline_round_trips_through_rotating_buffers(tmp_path):
             f.drain()
         m, v = f.read_copy(4)
         assert torch.equal(m, torch.full((numels[4],), 4.0)) and torch.equal(v, torch.full((numels[4],), -4.0))
+        stats = f.take_io_stats()  # two passes over every unit, then unit 4 once more; the totals reset
+        file_gb = nvme.file_bytes(list(numels.values())) / 1e9
+        assert stats["nvme_write_gb"] == pytest.approx(2 * file_gb, rel=1e-12)
+        assert stats["nvme_read_gb"] == pytest.approx(2 * file_gb + nvme.file_bytes([numels[4]]) / 1e9, rel=1e-12)
+        assert stats["nvme_read_gbps"] == pytest.approx(stats["nvme_read_gb"] / stats["nvme_read_s"])
+        assert f.take_io_stats() == {}
     finally:
         f.close()
     assert not f.path.exists()

@@ -259,6 +259,7 @@ class StreamEngine:
         self.pending: Optional[Future] = None
         self.skipped_steps = 0
         self.last_optimizer_s = 0.0
+        self.last_nvme_io: Dict[str, float] = {}  # MomentFile.take_io_stats of the last optimizer pass
         self.optimizer_wait_s = 0.0
 
     def owns(self, unit: int) -> bool:
@@ -603,7 +604,7 @@ class StreamEngine:
         coef_dev = optim.clip_coefficient(total_norm, self.t.max_grad_norm)
         coef = coef_dev.cpu()
         phases = self.timer.read()
-        previous_optimizer_s = self.last_optimizer_s
+        previous_optimizer_s, previous_nvme_io = self.last_optimizer_s, self.last_nvme_io
         self.skipped_steps += int(skipped)
         self.version += 1
         for unit, ev in enumerate(self.updated):
@@ -637,6 +638,7 @@ class StreamEngine:
                   "skipped_steps": self.skipped_steps, "tokens": n_tokens,
                   "step_s": time.perf_counter() - t0, "optimizer_s": previous_optimizer_s,
                   "optimizer_wait_s": self.optimizer_wait_s}
+        record.update(previous_nvme_io)  # the previous optimizer pass's disk traffic, like optimizer_s
         record.update(phases)
         if "exposed_s" in phases:
             copy_and_update_s = phases.get("h2d_busy_s", 0.0) + phases.get("d2h_busy_s", 0.0) + previous_optimizer_s
@@ -646,6 +648,7 @@ class StreamEngine:
     def _optimizer_pass(self, coef: torch.Tensor, lr: float, skipped: bool, gpu_grads, grad_landed) -> None:
         start = time.perf_counter()
         units = self.my_host_units
+        self.last_nvme_io = {}
         if skipped or not units:
             for unit in units:
                 if unit in gpu_grads:
@@ -696,6 +699,7 @@ class StreamEngine:
             self.updated[unit].set()
         if disk:
             self.nvme.drain()
+            self.last_nvme_io = self.nvme.take_io_stats()
         self.last_optimizer_s = time.perf_counter() - start
 
     def _streamed_step(self, unit: int, grad: torch.Tensor, views: Dict[str, torch.Tensor], coef: torch.Tensor,

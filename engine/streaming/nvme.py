@@ -23,6 +23,11 @@ straight between the disk and the staging buffers, so streaming tens of GB per s
 stops with an error that names `hardware.nvme_direct_io=false`, which uses buffered I/O and, after each unit's
 write, fdatasync + POSIX_FADV_DONTNEED to drop the unit's pages again (one flush per unit and step).
 
+I/O accounting: every read and write adds its bytes and its seconds (wall time of the preadv / pwritev calls, the
+flushes of buffered mode included) to per-direction totals; `take_io_stats` returns and resets them, so the engine
+logs each optimizer pass's disk traffic and the bandwidth achieved while the disk was busy (`nvme_read_gbps`,
+`nvme_write_gbps`), the figure to hold against `hardware.nvme_gbps`.
+
 Failures stop the run with `NvmeError` naming the file, the unit and the OS error: a full disk, an I/O error, or the
 file removed under the run (checked once per optimizer pass; an unlinked file would otherwise keep working until the
 run ends and then vanish). The run's last checkpoint is untouched by any of this and resumes.
@@ -32,6 +37,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -129,6 +136,8 @@ class MomentFile:
         self._writes: Dict[int, Future] = {}  # buffer index -> its pending write
         self._buffer_of: Dict[int, int] = {}
         self._next_buffer = 0
+        self._io_lock = threading.Lock()  # the two I/O threads add to the totals
+        self._io = {"read": [0, 0.0], "write": [0, 0.0]}  # direction -> [bytes, seconds] since take_io_stats
 
     @property
     def staging_bytes(self) -> int:
@@ -144,6 +153,7 @@ class MomentFile:
         mem = memoryview(buf.numpy()).cast("B")[:nbytes]
         offset, done = self.offsets[unit], 0
         op = "writing" if write else "reading"
+        start = time.perf_counter()
         try:
             while done < nbytes:
                 part = mem[done:done + IO_CHUNK_BYTES]
@@ -159,6 +169,22 @@ class MomentFile:
         except OSError as e:
             raise NvmeError(f"NVMe tier: {op} the Adam moments of unit {unit} ({nbytes / 2**20:.1f} MiB at offset "
                             f"{offset}) in {self.path} failed: {e.strerror or e}") from e
+        with self._io_lock:
+            total = self._io["write" if write else "read"]
+            total[0] += nbytes
+            total[1] += time.perf_counter() - start
+
+    def take_io_stats(self) -> Dict[str, float]:
+        """Bytes moved (GB), busy seconds and achieved GB/s per direction since the last call; resets the totals.
+        Keys: nvme_{read,write}_gb, nvme_{read,write}_s, nvme_{read,write}_gbps (absent without traffic)."""
+        with self._io_lock:
+            io, self._io = self._io, {"read": [0, 0.0], "write": [0, 0.0]}
+        stats: Dict[str, float] = {}
+        for direction, (nbytes, seconds) in io.items():
+            if nbytes:
+                stats.update({f"nvme_{direction}_gb": nbytes / 1e9, f"nvme_{direction}_s": seconds,
+                              f"nvme_{direction}_gbps": nbytes / 1e9 / seconds if seconds > 0 else float("inf")})
+        return stats
 
     def staging_views(self, unit: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(m, v) views of the first staging buffer at `unit`'s sizes: placeholders to build an optimizer over."""
