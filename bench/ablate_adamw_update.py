@@ -38,6 +38,8 @@ VARIANTS = {
     "register_cap_all": ("every format's launch capped at 64 registers",
                          "maxnreg = None if block_size is None else MAX_REGISTERS_INT8",
                          "maxnreg = MAX_REGISTERS_INT8"),
+    "tiles_4": ("int8 launches: 4 consecutive tiles a program (the prologue read once for them)",
+                "tiles = TILES_PER_PROGRAM\n", "tiles = TILES_PER_PROGRAM if block_size is None else 4\n"),
     "div_rn_bc2": ("sqrt(v) / sqrt(bc2) by div_rn instead of the fp64 product",
                    "_div_by_constant(tl.math.sqrt_rn(v), inv_bc2)",
                    "tl.math.div_rn(tl.math.sqrt_rn(v), (1.0 / inv_bc2).to(tl.float32))"),

@@ -138,9 +138,9 @@ def bench_unit(torch, name: str, numel: int, segments, device: str, info: dict, 
         for tile, num_warps in configs:
             A.SWEEP_OVERRIDE = None if tile is None else (tile, num_warps)
             shipped = tile is None
+            launch = A.launch_config(torch.device(device), block)
             if shipped:  # the per-format choice of launch_config: record what it is
-                R, G, num_warps, _ = A.launch_config(torch.device(device), block)
-                tile = R * G * 8
+                tile, num_warps = launch.rows * launch.groups * 8, launch.num_warps
             match = matches_reference(torch, st, before, segments, lr, clip)
             kernel_ms = time_ms(step_fn(A.adamw_update, st, segments, lr, clip))
             gbps = nbytes / (kernel_ms * 1e-3) / 1e9
@@ -151,7 +151,7 @@ def bench_unit(torch, name: str, numel: int, segments, device: str, info: dict, 
                          "kernel_ms": round(kernel_ms, 5), "kernel_gbps": round(gbps, 1),
                          "copy_ms": round(copy_ms, 5), "copy_gbps": round(copy_rate, 1),
                          "frac_of_copy": round(gbps / copy_rate, 3), "tile": tile, "num_warps": num_warps,
-                         "maxnreg": A.launch_config(torch.device(device), block)[3],
+                         "maxnreg": launch.maxnreg, "tiles_per_program": launch.tiles,
                          "shipped_launch": shipped,
                          "match": match, **info})
             print(json.dumps(rows[-1]), flush=True)

@@ -43,7 +43,7 @@ def full_tile_module(source: Path):
     if "full = rem == TILE" not in text:
         raise SystemExit(f"sass_count: {source} no longer computes `full = rem == TILE`; update full_tile_module")
     path = Path(tempfile.mkdtemp()) / "adamw_full_tile.py"
-    path.write_text(text.replace("full = rem == TILE", "full: tl.constexpr = True"))
+    path.write_text(text.replace("full = rem == TILE", "full = True"))
     spec = importlib.util.spec_from_file_location("adamw_full_tile", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -51,21 +51,23 @@ def full_tile_module(source: Path):
 
 
 def compile_sm90(mod, master: str, moments: str):
-    """(compiled kernel, elements per thread) of one format at the launch the module picks for a CUDA device."""
+    """(compiled kernel, elements per thread and program) of one format at the launch the module picks for a
+    CUDA device."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     code = {"fp32": 0, "bf16": 1, "int8": 2}[moments]
-    R, G, num_warps, maxnreg = mod.launch_config(torch.device("cuda"), 256 if moments == "int8" else None)
+    launch = mod.launch_config(torch.device("cuda"), 256 if moments == "int8" else None)
+    R, G, num_warps, maxnreg = launch.rows, launch.groups, launch.num_warps, launch.maxnreg
     fn = mod._adamw_kernel
     ptr = {"p_ptr": "*i16" if master == "bf16" else "*fp32", "m_ptr": ("*fp32", "*i16", "*i8")[code],
            "v_ptr": ("*fp32", "*i16", "*u8")[code], "g_ptr": "*fp32", "w_ptr": "*i16", "ms_ptr": "*fp32",
            "vs_ptr": "*fp32", "lr_ptr": "*fp32", "clip_ptr": "*fp32", "run_ptr": "*i64"}
     fp32_args = {"lerp_coef", "beta2", "one_minus_beta2", "eps"}
-    const = dict(R=R, G=G, NR_POW2=2, LERP_SMALL=True, MASTER_BF16=master == "bf16", MOMENTS=code,
-                 WITH_WEIGHTS=True)
+    const = dict(R=R, G=G, TILES=launch.tiles, NR_POW2=2, LERP_SMALL=True, MASTER_BF16=master == "bf16",
+                 MOMENTS=code, WITH_WEIGHTS=True)
     signature = {}
     for name in fn.arg_names:
         signature[name] = (ptr.get(name) or ("constexpr" if name in const else "fp32" if name in fp32_args
@@ -75,7 +77,7 @@ def compile_sm90(mod, master: str, moments: str):
                     {(index[k],): [["tt.divisibility", 16]] for k in ptr})
     options = dict(num_warps=num_warps, enable_fp_fusion=False, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    return kernel, R * G * 8 / (32 * num_warps)
+    return kernel, launch.tiles * R * G * 8 / (32 * num_warps)
 
 
 def nvidia_tool(name: str) -> str:
@@ -102,7 +104,9 @@ def analyse(kernel) -> dict:
     body = [line for line in sass[:subroutines[0] if subroutines else len(sass)] if INSTRUCTION.match(line)]
     ops = collections.Counter(re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0] for line in body)
     calls = sum("CALL" in line for line in body)
+    # stack_bytes > 0: registers spilled under the register cap, or call frames
     return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
             "instructions": len(body) - SLOW_PATH_CALL * calls, "ops": ops}
 
 
@@ -118,15 +122,17 @@ def main(argv=None) -> None:
         raise SystemExit(f"sass_count: unknown format(s) {bad}; choose from {FORMATS}")
     mod = full_tile_module(ROOT / "engine" / "kernels" / "adamw_update.py")
     if not args.json:
-        print(f"{'format':10} {'registers':>9} {'instr/thread':>12} {'elem/thread':>11} {'instr/elem':>10}")
+        print(f"{'format':10} {'registers':>9} {'stack B':>7} {'instr/thread':>12} {'elem/thread':>11} "
+              f"{'instr/elem':>10}")
     for fmt in formats:
         kernel, per_thread = compile_sm90(mod, *fmt.split("/"))
         a = analyse(kernel)
         if args.json:
-            print(json.dumps({"format": fmt, "registers": a["registers"], "instructions": a["instructions"],
+            print(json.dumps({"format": fmt, "registers": a["registers"], "stack_bytes": a["stack_bytes"],
+                              "instructions": a["instructions"],
                               "elements_per_thread": per_thread, "ops": dict(a["ops"])}))
             continue
-        print(f"{fmt:10} {a['registers']:>9} {a['instructions']:>12} {per_thread:>11.0f} "
+        print(f"{fmt:10} {a['registers']:>9} {a['stack_bytes']:>7} {a['instructions']:>12} {per_thread:>11.0f} "
               f"{a['instructions'] / per_thread:>10.1f}")
         if args.ops:
             print("   ", ", ".join(f"{op} {n}" for op, n in a["ops"].most_common(args.ops)))
