@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_adamw_update import BLOCK_SIZE, bytes_per_param, make_state, timer  # noqa: E402
+from bench_adamw_update import copy_time_ms, make_state, step_fn, timer, update_bytes  # noqa: E402
 from kernel_bench import ROOT, layer_layout, require_gpu  # noqa: E402
 
 SOURCE = ROOT / "engine" / "kernels" / "adamw_update.py"
@@ -101,20 +101,9 @@ def main(argv=None) -> None:
         for fmt in args.formats.split(","):
             master, moments = fmt.split("/")
             st = make_state(torch, layout.numel, master, moments, "cuda")
-            nbytes = layout.numel * bytes_per_param(master, moments)
-            if moments == "int8":
-                nbytes += 2 * 2 * 4 * -(-layout.numel // BLOCK_SIZE)  # m and v scales, read and written
-            src = torch.empty(nbytes // 2, device="cuda", dtype=torch.uint8)
-            dst = torch.empty_like(src)
-            copy_ms = time_ms(lambda: dst.copy_(src))
-            del src, dst
+            copy_ms = copy_time_ms(torch, update_bytes(layout.numel, master, moments), "cuda", time_ms)
             for name, mod in modules.items():
-                def step(mod=mod):
-                    mod.adamw_update(st["master"], st["m"], st["v"], st["grad"], lr=lr, clip=clip, step=3,
-                                     beta1=0.9, beta2=0.95, eps=1e-8, segments=segments,
-                                     weights_out=st["weights_out"], m_scales=st.get("m_scales"),
-                                     v_scales=st.get("v_scales"), block_size=st.get("block_size"), seed=1)
-                kernel_ms = time_ms(step)
+                kernel_ms = time_ms(step_fn(mod.adamw_update, st, segments, lr, clip, step=3))
                 row = {"bench": "adamw_ablation", "variant": name, "variant_desc": sources[name][0],
                        "case": fmt, "model": args.model, "numel": layout.numel, "kernel_ms": round(kernel_ms, 5),
                        "copy_ms": round(copy_ms, 5), "frac_of_copy": round(copy_ms / kernel_ms, 3), **env}

@@ -41,6 +41,14 @@ def bytes_per_param(master: str, moments: str, grad_bytes: int = 4) -> int:
     return 2 * BYTES[master] + 4 * BYTES[moments] + grad_bytes + 2
 
 
+def update_bytes(numel: int, master: str, moments: str) -> int:
+    """Bytes one update of `numel` elements reads and writes (`bytes_per_param`, plus int8's per-block scales)."""
+    nbytes = numel * bytes_per_param(master, moments)
+    if moments == "int8":
+        nbytes += 2 * 2 * 4 * -(-numel // BLOCK_SIZE)  # m and v scales, read and written
+    return nbytes
+
+
 def timer(device: str):
     if device == "cuda":
         import triton
@@ -124,9 +132,7 @@ def bench_unit(torch, name: str, numel: int, segments, device: str, info: dict, 
     rows = []
     for master, moments in FORMATS:
         st = make_state(torch, numel, master, moments, device)
-        nbytes = numel * bytes_per_param(master, moments)
-        if moments == "int8":
-            nbytes += 2 * 2 * 4 * -(-numel // BLOCK_SIZE)  # m and v scales, read and written
+        nbytes = update_bytes(numel, master, moments)
         copy_ms = copy_time_ms(torch, nbytes, device, time_ms)
         copy_rate = nbytes / (copy_ms * 1e-3) / 1e9
         if device == "cpu":

@@ -28,9 +28,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-# compiling needs real JIT functions: under TRITON_INTERPRET=1 (the CPU test setting) @triton.jit builds
-# interpreter objects that cannot be compiled for a GPU target
-os.environ["TRITON_INTERPRET"] = "0"
 
 FORMATS = ["fp32/fp32", "bf16/fp32", "fp32/bf16", "bf16/bf16", "fp32/int8", "bf16/int8"]
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4}\*/")
@@ -80,10 +77,15 @@ def compile_sm90(mod, master: str, moments: str):
     return kernel, launch.tiles * R * G * 8 / (32 * num_warps)
 
 
-def nvidia_tool(name: str) -> str:
+def nvidia_tools_dir() -> Path:
+    """Where the triton wheel keeps ptxas, cuobjdump and nvdisasm (absent from a wheel without the NVIDIA backend)."""
     import triton
 
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def nvidia_tool(name: str) -> str:
+    tool = nvidia_tools_dir() / name
     if not tool.exists():
         raise SystemExit(f"sass_count: {tool} is missing; this triton wheel does not carry the NVIDIA tools")
     return str(tool)
@@ -116,6 +118,9 @@ def main(argv=None) -> None:
     ap.add_argument("--ops", type=int, default=0, help="also print the N most frequent opcodes of each format")
     ap.add_argument("--json", action="store_true", help="one JSON row per format instead of the table")
     args = ap.parse_args(argv)
+    # compiling needs real JIT functions: under TRITON_INTERPRET=1 (the CPU test setting) @triton.jit builds
+    # interpreter objects that cannot be compiled for a GPU target; set before the kernel modules are imported
+    os.environ["TRITON_INTERPRET"] = "0"
     formats = args.formats.split(",")
     bad = [f for f in formats if f not in FORMATS]
     if bad:

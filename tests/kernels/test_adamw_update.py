@@ -288,10 +288,7 @@ def dividends(c: float, n: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_division_by_a_constant_is_correctly_rounded(device, request):
-    if device == "cuda":
-        request.getfixturevalue("cuda")
-    elif not A.uses_triton(torch.device("cpu")):
-        pytest.skip("needs TRITON_INTERPRET=1")
+    request.getfixturevalue("cuda" if device == "cuda" else "interpreter")
     n = 200_000 if device == "cuda" else 20_000
     for i, c in enumerate(divisor_cases()):
         x = dividends(c, n, seed=i)
