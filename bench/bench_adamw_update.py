@@ -157,7 +157,7 @@ def bench_unit(torch, name: str, numel: int, segments, device: str, info: dict, 
                          "kernel_ms": round(kernel_ms, 5), "kernel_gbps": round(gbps, 1),
                          "copy_ms": round(copy_ms, 5), "copy_gbps": round(copy_rate, 1),
                          "frac_of_copy": round(gbps / copy_rate, 3), "tile": tile, "num_warps": num_warps,
-                         "maxnreg": launch.maxnreg, "tiles_per_program": launch.tiles,
+                         "maxnreg": launch.maxnreg,
                          "shipped_launch": shipped,
                          "match": match, **info})
             print(json.dumps(rows[-1]), flush=True)

@@ -63,7 +63,7 @@ def compile_sm90(mod, master: str, moments: str):
            "v_ptr": ("*fp32", "*i16", "*u8")[code], "g_ptr": "*fp32", "w_ptr": "*i16", "ms_ptr": "*fp32",
            "vs_ptr": "*fp32", "lr_ptr": "*fp32", "clip_ptr": "*fp32", "run_ptr": "*i64"}
     fp32_args = {"lerp_coef", "beta2", "one_minus_beta2", "eps"}
-    const = dict(R=R, G=G, TILES=launch.tiles, NR_POW2=2, LERP_SMALL=True, MASTER_BF16=master == "bf16",
+    const = dict(R=R, G=G, NR_POW2=2, LERP_SMALL=True, MASTER_BF16=master == "bf16",
                  MOMENTS=code, WITH_WEIGHTS=True)
     signature = {}
     for name in fn.arg_names:
@@ -74,7 +74,7 @@ def compile_sm90(mod, master: str, moments: str):
                     {(index[k],): [["tt.divisibility", 16]] for k in ptr})
     options = dict(num_warps=num_warps, enable_fp_fusion=False, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    return kernel, launch.tiles * R * G * 8 / (32 * num_warps)
+    return kernel, R * G * 8 / (32 * num_warps)
 
 
 def nvidia_tools_dir() -> Path:

@@ -43,10 +43,6 @@ Formats (master x moments, any combination; grad fp32 or bf16):
   of [rows, block_size]) so it computes each new absmax in registers. A block may span segments of different weight
   decay: decay is per element.
 
-Launch: one program updates `TILES` consecutive tiles ([R, G, 8] each), statically unrolled; the learning rate, the
-fp64 step size, the clip scale and the run table are read once per program. A tile past the end (the last
-program's) has every access masked.
-
 Segments: `(start, numel, weight_decay)` tiling [0, numel) in order. Adjacent segments of equal decay are merged
 (a decoder layer becomes two runs: its matrices, then its vectors) into a device table of run starts and decays,
 cached per (device, stream, runs) like engine/kernels/tiles.py's tensor tables (one pinned, non-blocking upload on
@@ -102,17 +98,18 @@ BLOCK_SIZE_RANGE = formats.BLOCK_SIZE_RANGE  # int8 block sizes: powers of two i
 # (adamw_update_h200_2026-12-06.jsonl against -04f.jsonl).
 # With int8 moments a program is one warp, so the SM holds at most 32 of them, and fewer at the ~90 registers per
 # thread the compiler picks: capped at 64 registers, 0.87 (bf16 master) and 0.97 (fp32 master) of the copy rate
-# against 0.81 and 0.91 uncapped (H100, qwen7b layer, adamw_ablation_h100_2026-12-06.jsonl; 56: within 1% of 64,
-# 48: spills, 0.85 and 0.87). The other formats gain nothing from a cap there (0.99-1.0 either way).
+# against 0.81 and 0.91 uncapped (H100, qwen7b layer, adamw_ablation_h100_2026-12-06.jsonl; 48: spills, 0.85 and
+# 0.87). 56 beat 64 in three H100 leases (bf16 master 0.879 / 0.886 / 0.890 against 0.872 / 0.865 / 0.870, fp32
+# master 0.971 / 0.973 / 0.983 against 0.966 / 0.963 / 0.971; adamw_ablation_h100_2026-12-06{,b,c}.jsonl), hence 56.
+# The other formats gain nothing from a cap (0.96-1.0 capped, 0.99-1.0 not).
+# A program updating 4 consecutive tiles, its prologue (lr, the fp64 step size, the run table, the Philox keys)
+# read once, counts fewer instructions per element (bf16 + int8: 117 against 136 by bench/sass_count.py) but
+# spills under the cap and ran slower: 0.71 / 0.82 against 0.87 / 0.96 (-06b.jsonl). The loop that allowed it,
+# even at one tile a program, changed the compiled schedule: bf16 + bf16 0.93 with it, 1.0 without (-06c.jsonl).
 TILE_GPU = 1024
 NUM_WARPS_GPU = 4
 INT8_ELEMS_PER_WARP = 256
-MAX_REGISTERS_INT8 = 64
-# Consecutive tiles one program updates (the lr load, the fp64 step size and the run table read once for all of
-# them): 1, the measured launch. bench/ablate_adamw_update.py's `tiles_4` variant times 4 for the int8 formats,
-# whose one-warp programs of 8 elements a thread pay that prologue most; not yet measured.
-TILES_PER_PROGRAM = 1
-TILES_INTERPRET = 1  # tests set more to run the loop under the interpreter
+MAX_REGISTERS_INT8 = 56
 MAX_WARPS = 16
 SWEEP_OVERRIDE: Optional[Tuple[int, int]] = None  # (tile, num_warps) for every format: benchmark sweeps only
 TILE_INTERPRET = 65536  # the interpreter pays per program (a CPU test of the int8 format: 24 s at 8192, 14 s here)
@@ -232,106 +229,105 @@ def _run_decay(run_ptr, n_runs, r, lr64):
 def _adamw_kernel(p_ptr, m_ptr, v_ptr, g_ptr, w_ptr, ms_ptr, vs_ptr, lr_ptr, clip_ptr, run_ptr, n_runs, numel,
                   bc1_bits, inv_bc2_bits, lerp_coef, beta2, one_minus_beta2, eps, group0,
                   kp_lo, kp_hi, km_lo, km_hi, kv_lo, kv_hi,
-                  R: tl.constexpr, G: tl.constexpr, TILES: tl.constexpr, NR_POW2: tl.constexpr,
-                  LERP_SMALL: tl.constexpr, MASTER_BF16: tl.constexpr, MOMENTS: tl.constexpr,
-                  WITH_WEIGHTS: tl.constexpr):
+                  R: tl.constexpr, G: tl.constexpr, NR_POW2: tl.constexpr, LERP_SMALL: tl.constexpr,
+                  MASTER_BF16: tl.constexpr, MOMENTS: tl.constexpr, WITH_WEIGHTS: tl.constexpr):
     TILE: tl.constexpr = R * G * 8
     pid = tl.program_id(0).to(tl.int64)
-    # 32-bit offsets inside a tile from pointers moved to its start: 64-bit index arithmetic per element costs
+    tile_start = pid * TILE
+    # 32-bit offsets inside the tile from pointers moved to its start: 64-bit index arithmetic per element costs
     # two instructions per add and compare
     col = tl.arange(0, 8)[None, None, :]
     offs = tl.arange(0, R)[:, None, None] * (G * 8) + tl.arange(0, G)[None, :, None] * 8 + col
+    rem = tl.minimum(numel - tile_start, TILE).to(tl.int32)
+    full = rem == TILE
+    p_ptr += tile_start
+    m_ptr += tile_start
+    v_ptr += tile_start
+    g_ptr += tile_start
+    w_ptr += tile_start
+
     lr64 = tl.load(lr_ptr).to(tl.float64)
     # fp64 `/` is correctly rounded on the GPU (div.rn.f64; only fp32 `/` is approximate there)
     step_size = (-(lr64 / bc1_bits.to(tl.int64).to(tl.float64, bitcast=True))).to(tl.float32)
     inv_bc2 = inv_bc2_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    clip = tl.load(clip_ptr)
+    g = to_fp32(load_tile(g_ptr, offs, rem, full)) * tl.load(clip_ptr)
+    if MASTER_BF16:
+        p = _bf16_bits_to_fp32(load_tile(p_ptr, offs, rem, full))
+    else:
+        p = load_tile(p_ptr, offs, rem, full)
+    if MOMENTS == 2:
+        blocks = pid * R + tl.arange(0, R)
+        n_blocks = (numel + G * 8 - 1) // (G * 8)
+        m_scale = tl.load(ms_ptr + blocks, mask=blocks < n_blocks, other=0.0)[:, None, None]
+        v_scale = tl.load(vs_ptr + blocks, mask=blocks < n_blocks, other=0.0)[:, None, None]
+        m_code = load_tile(m_ptr, offs, rem, full).to(tl.int32)
+        m_mag = _code_decode(m_code & 0x7F, M_SHIFT, M_EXP_BIAS, M_N_SUB, M_NEG_MIN_NORMAL) * m_scale
+        m = tl.where(m_code < 0, -m_mag, m_mag)
+        v = _code_decode(load_tile(v_ptr, offs, rem, full).to(tl.int32), V_SHIFT, V_EXP_BIAS, V_N_SUB,
+                         V_NEG_MIN_NORMAL) * v_scale
+    elif MOMENTS == 1:
+        m = _bf16_bits_to_fp32(load_tile(m_ptr, offs, rem, full))
+        v = _bf16_bits_to_fp32(load_tile(v_ptr, offs, rem, full))
+    else:
+        m = load_tile(m_ptr, offs, rem, full)
+        v = load_tile(v_ptr, offs, rem, full)
+
+    # weight decay, per element: the run of the tile's first element, then any run starting inside the tile (rare).
+    # Branching around the per-element factor in the usual one-run tile was slower (H100: 0.74 of the copy rate
+    # against 0.81 with bf16 master and int8 moments, adamw_ablation_h100_2026-12-06.jsonl).
     run_rows = tl.arange(0, NR_POW2)
     starts = tl.load(run_ptr + run_rows, mask=(run_rows >= 1) & (run_rows < n_runs), other=2**62)
-    for t in tl.static_range(TILES):  # TILES consecutive tiles a program share the lines above
-        tile = pid * TILES + t
-        tile_start = tile * TILE
-        rem = tl.minimum(numel - tile_start, TILE).to(tl.int32)  # <= 0 past the end: every access masked
-        full = rem == TILE
-        p_at, m_at, v_at, g_at, w_at = (p_ptr + tile_start, m_ptr + tile_start, v_ptr + tile_start,
-                                        g_ptr + tile_start, w_ptr + tile_start)
-        g = to_fp32(load_tile(g_at, offs, rem, full)) * clip
-        if MASTER_BF16:
-            p = _bf16_bits_to_fp32(load_tile(p_at, offs, rem, full))
-        else:
-            p = load_tile(p_at, offs, rem, full)
-        if MOMENTS == 2:
-            blocks = tile * R + tl.arange(0, R)
-            n_blocks = (numel + G * 8 - 1) // (G * 8)
-            m_scale = tl.load(ms_ptr + blocks, mask=blocks < n_blocks, other=0.0)[:, None, None]
-            v_scale = tl.load(vs_ptr + blocks, mask=blocks < n_blocks, other=0.0)[:, None, None]
-            m_code = load_tile(m_at, offs, rem, full).to(tl.int32)
-            m_mag = _code_decode(m_code & 0x7F, M_SHIFT, M_EXP_BIAS, M_N_SUB, M_NEG_MIN_NORMAL) * m_scale
-            m = tl.where(m_code < 0, -m_mag, m_mag)
-            v = _code_decode(load_tile(v_at, offs, rem, full).to(tl.int32), V_SHIFT, V_EXP_BIAS, V_N_SUB,
-                             V_NEG_MIN_NORMAL) * v_scale
-        elif MOMENTS == 1:
-            m = _bf16_bits_to_fp32(load_tile(m_at, offs, rem, full))
-            v = _bf16_bits_to_fp32(load_tile(v_at, offs, rem, full))
-        else:
-            m = load_tile(m_at, offs, rem, full)
-            v = load_tile(v_at, offs, rem, full)
-
-        # weight decay, per element: the run of the tile's first element, then any run starting inside the tile (rare).
-        # Branching around the per-element factor in the usual one-run tile was slower (H100: 0.74 of the copy rate
-        # against 0.81 with bf16 master and int8 moments, adamw_ablation_h100_2026-12-06.jsonl).
-        r = tl.sum((starts <= tile_start).to(tl.int32), axis=0)
-        decay = tl.full([R, G, 8], 0.0, tl.float32) + _run_decay(run_ptr, n_runs, r, lr64)
+    r = tl.sum((starts <= tile_start).to(tl.int32), axis=0)
+    decay = tl.full([R, G, 8], 0.0, tl.float32) + _run_decay(run_ptr, n_runs, r, lr64)
+    next_start = tl.load(run_ptr + r + 1)
+    while next_start < tile_start + rem:
+        r += 1
+        decay = tl.where(offs >= (next_start - tile_start).to(tl.int32), _run_decay(run_ptr, n_runs, r, lr64), decay)
         next_start = tl.load(run_ptr + r + 1)
-        while next_start < tile_start + rem:
-            r += 1
-            decay = tl.where(offs >= (next_start - tile_start).to(tl.int32), _run_decay(run_ptr, n_runs, r, lr64),
-                             decay)
-            next_start = tl.load(run_ptr + r + 1)
-        p = p * decay
+    p = p * decay
 
-        if LERP_SMALL:
-            m = tl.fma(lerp_coef, g - m, m)
-        else:
-            m = tl.fma(lerp_coef, g - m, g)
-        v = tl.fma(one_minus_beta2 * g, g, v * beta2)
-        denom = _div_by_constant(tl.math.sqrt_rn(v), inv_bc2) + eps
-        p = p + tl.math.div_rn(step_size * m, denom)
+    if LERP_SMALL:
+        m = tl.fma(lerp_coef, g - m, m)
+    else:
+        m = tl.fma(lerp_coef, g - m, g)
+    v = tl.fma(one_minus_beta2 * g, g, v * beta2)
+    denom = _div_by_constant(tl.math.sqrt_rn(v), inv_bc2) + eps
+    p = p + tl.math.div_rn(step_size * m, denom)
 
-        # Philox counters of the tile's 8-element groups, [R, G]
-        counter = group0 + tile * (TILE // 8) + tl.arange(0, R)[:, None] * G + tl.arange(0, G)[None, :]
-        c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
-        c1 = (counter >> 32).to(tl.uint32)
-        if MASTER_BF16:
-            p_bits = _stochastic_bf16_bits(p, c0, c1, kp_lo.to(tl.uint32), kp_hi.to(tl.uint32), col)
-            store_tile(p_at, offs, rem, full, p_bits)
-            if WITH_WEIGHTS:
-                store_tile(w_at, offs, rem, full, p_bits)
-        else:
-            store_tile(p_at, offs, rem, full, p)
-            if WITH_WEIGHTS:
-                store_tile(w_at, offs, rem, full, _nearest_bf16_bits(p))
-        if MOMENTS == 2:
-            m_scale_new = _block_scale(m, M_INV_TOP_BITS)
-            code = _code_encode(_normalised(m, m_scale_new), M_SHIFT, M_HALF, M_CODE_BIAS, M_SUB_BIAS, M_MAX_CODE,
-                                M_MIN_NORMAL)
-            code = tl.where((m < 0) & (code > 0), code + 128, code)
-            store_tile(m_at, offs, rem, full, code.to(tl.int8))
-            v_scale_new = _block_scale(v, V_INV_TOP_BITS)
-            code = _code_encode(_normalised(v, v_scale_new), V_SHIFT, V_HALF, V_CODE_BIAS, V_SUB_BIAS, V_MAX_CODE,
-                                V_MIN_NORMAL)
-            code = tl.where((code == 0) & (v > 0), 1, code)
-            store_tile(v_at, offs, rem, full, code.to(tl.uint8))
-            tl.store(ms_ptr + blocks, m_scale_new, mask=blocks < n_blocks)
-            tl.store(vs_ptr + blocks, v_scale_new, mask=blocks < n_blocks)
-        elif MOMENTS == 1:
-            store_tile(m_at, offs, rem, full, _stochastic_bf16_bits(m, c0, c1, km_lo.to(tl.uint32),
-                                                                      km_hi.to(tl.uint32), col))
-            store_tile(v_at, offs, rem, full, _stochastic_bf16_bits(v, c0, c1, kv_lo.to(tl.uint32),
-                                                                      kv_hi.to(tl.uint32), col))
-        else:
-            store_tile(m_at, offs, rem, full, m)
-            store_tile(v_at, offs, rem, full, v)
+    # Philox counters of the tile's 8-element groups, [R, G]
+    counter = group0 + pid * (TILE // 8) + tl.arange(0, R)[:, None] * G + tl.arange(0, G)[None, :]
+    c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (counter >> 32).to(tl.uint32)
+    if MASTER_BF16:
+        p_bits = _stochastic_bf16_bits(p, c0, c1, kp_lo.to(tl.uint32), kp_hi.to(tl.uint32), col)
+        store_tile(p_ptr, offs, rem, full, p_bits)
+        if WITH_WEIGHTS:
+            store_tile(w_ptr, offs, rem, full, p_bits)
+    else:
+        store_tile(p_ptr, offs, rem, full, p)
+        if WITH_WEIGHTS:
+            store_tile(w_ptr, offs, rem, full, _nearest_bf16_bits(p))
+    if MOMENTS == 2:
+        m_scale_new = _block_scale(m, M_INV_TOP_BITS)
+        code = _code_encode(_normalised(m, m_scale_new), M_SHIFT, M_HALF, M_CODE_BIAS, M_SUB_BIAS, M_MAX_CODE,
+                            M_MIN_NORMAL)
+        code = tl.where((m < 0) & (code > 0), code + 128, code)
+        store_tile(m_ptr, offs, rem, full, code.to(tl.int8))
+        v_scale_new = _block_scale(v, V_INV_TOP_BITS)
+        code = _code_encode(_normalised(v, v_scale_new), V_SHIFT, V_HALF, V_CODE_BIAS, V_SUB_BIAS, V_MAX_CODE,
+                            V_MIN_NORMAL)
+        code = tl.where((code == 0) & (v > 0), 1, code)
+        store_tile(v_ptr, offs, rem, full, code.to(tl.uint8))
+        tl.store(ms_ptr + blocks, m_scale_new, mask=blocks < n_blocks)
+        tl.store(vs_ptr + blocks, v_scale_new, mask=blocks < n_blocks)
+    elif MOMENTS == 1:
+        store_tile(m_ptr, offs, rem, full, _stochastic_bf16_bits(m, c0, c1, km_lo.to(tl.uint32),
+                                                                  km_hi.to(tl.uint32), col))
+        store_tile(v_ptr, offs, rem, full, _stochastic_bf16_bits(v, c0, c1, kv_lo.to(tl.uint32),
+                                                                  kv_hi.to(tl.uint32), col))
+    else:
+        store_tile(m_ptr, offs, rem, full, m)
+        store_tile(v_ptr, offs, rem, full, v)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -428,21 +424,19 @@ def layout_segments(layout, weight_decay: float) -> List[Tuple[int, int, float]]
 
 class Launch(NamedTuple):
     """The [rows, groups, 8] tile (groups * 8 = the int8 block size, rows blocks a tile; rows = 1 without int8),
-    warps and register cap (None: the compiler's choice) of a program, and the consecutive tiles it updates."""
+    warps and register cap (None: the compiler's choice) of a program."""
     rows: int
     groups: int
     num_warps: int
     maxnreg: Optional[int]
-    tiles: int
 
 
 def launch_config(device: torch.device, block_size: Optional[int]) -> Launch:
     """The launch of one update over a unit: fixed per format and device (see TILE_GPU and what follows)."""
     if device.type != "cuda":
-        tile, num_warps, maxnreg, tiles = TILE_INTERPRET, 1, None, TILES_INTERPRET
+        tile, num_warps, maxnreg = TILE_INTERPRET, 1, None
     else:
         maxnreg = None if block_size is None else MAX_REGISTERS_INT8
-        tiles = TILES_PER_PROGRAM
         if SWEEP_OVERRIDE is not None:
             tile, num_warps = SWEEP_OVERRIDE
         elif block_size is None:
@@ -451,8 +445,8 @@ def launch_config(device: torch.device, block_size: Optional[int]) -> Launch:
             num_warps = max(1, min(MAX_WARPS, block_size // INT8_ELEMS_PER_WARP))
             tile = max(block_size, INT8_ELEMS_PER_WARP)
     if block_size is None:
-        return Launch(1, tile // 8, num_warps, maxnreg, tiles)
-    return Launch(max(1, tile // block_size), block_size // 8, num_warps, maxnreg, tiles)
+        return Launch(1, tile // 8, num_warps, maxnreg)
+    return Launch(max(1, tile // block_size), block_size // 8, num_warps, maxnreg)
 
 
 def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, *, lr: torch.Tensor,
@@ -531,13 +525,13 @@ def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: t
         return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
     dummy = master  # placeholder pointer for the tensors a format does not use (never dereferenced)
-    grid = (triton.cdiv(numel, R * G * 8 * launch.tiles),)
+    grid = (triton.cdiv(numel, R * G * 8),)
     _adamw_kernel[grid](bits16(master), bits16(m), bits16(v), grad,
                         weights_out.view(torch.int16) if weights_out is not None else dummy,
                         m_scales if quantized else dummy, v_scales if quantized else dummy, lr, clip, table,
                         len(runs), numel, _f64_bits(1.0 - beta1 ** float(step)), _f64_bits(1.0 / bc2_sqrt),
                         lerp_coef, _fp32(beta2), _fp32(1.0 - beta2), _fp32(eps), offset // 8, *halves, R=R, G=G,
-                        TILES=launch.tiles, NR_POW2=max(2, triton.next_power_of_2(len(runs))),
+                        NR_POW2=max(2, triton.next_power_of_2(len(runs))),
                         LERP_SMALL=lerp_small, MASTER_BF16=master.dtype == torch.bfloat16, MOMENTS=moments,
                         WITH_WEIGHTS=weights_out is not None, num_warps=launch.num_warps, enable_fp_fusion=False,
                         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}))
