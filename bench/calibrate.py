@@ -42,7 +42,9 @@ step is made of, each the median of `--repeats` timed repetitions after `--warmu
    elements, gradient set and moments pre-seeded as engine/optim.py's FlatAdamW seeds them ->
    `cpu_adam_gparams_per_s`; then the same while a thread keeps both PCIe directions busy with pinned copies ->
    `cpu_adam_gparams_per_s_under_pcie` (in a streamed step the host update runs while weights stream in and
-   gradients stream out, and page-locked DMA competes with the optimizer for host memory bandwidth).
+   gradients stream out, and page-locked DMA competes with the optimizer for host memory bandwidth), and what that
+   thread moved meanwhile -> `bidir_gbps_under_adam` (the link's side of the same contention; the planner times
+   the transfers that start while the host AdamW runs at it).
    Without CUDA, 2 and the second half of 3 are skipped and written as 0, and the output says so; engine.config
    refuses TFLOPS figures without transfer figures, so such a profile checks this script rather than plans a run.
 
@@ -572,6 +574,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # beside it; the planner adds it to every plan's host memory
     workers_gib = child_processes_rss_gib()
     figures["host_process_gib"] = host_rss_gib() + workers_gib
+    figures["host_compile_workers_gib"] = workers_gib
     log(f"process host memory after the compute measurements: {figures['host_process_gib']:.2f} GiB "
         f"({workers_gib:.2f} of it in child processes: torch.compile's workers)")
     not_measured: list[str] = []
@@ -581,12 +584,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             bufs = CopyBuffers(host_in, host_out, device)
             figures.update(measure_pcie(bufs, args))
             figures["cpu_adam_gparams_per_s"] = adam.gparams_per_s(args, "host adamw")
-            figures["cpu_adam_gparams_per_s_under_pcie"], load_gbps = adam_under_pcie(adam, bufs, args)
+            figures["cpu_adam_gparams_per_s_under_pcie"], figures["bidir_gbps_under_adam"] = \
+                adam_under_pcie(adam, bufs, args)
             del bufs
-        log(f"  the PCIe load moved {load_gbps:.2f} GB/s (both directions) during that AdamW")
+        log(f"  the PCIe load moved {figures['bidir_gbps_under_adam']:.2f} GB/s (both directions) during that AdamW")
     else:
         figures["cpu_adam_gparams_per_s"] = adam.gparams_per_s(args, "host adamw")
-        not_measured = [*PCIE_FIGURES, "cpu_adam_gparams_per_s_under_pcie"]
+        not_measured = [*PCIE_FIGURES, "cpu_adam_gparams_per_s_under_pcie", "bidir_gbps_under_adam"]
         figures.update({k: 0.0 for k in not_measured})
         log(f"no CUDA device: {', '.join(not_measured)} not measured, written as 0")
 
@@ -601,8 +605,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     log(f"wrote {args.out}")
     if args.jsonl is not None:
         row = {"bench": "calibrate", **figures, "calibration": calibration, **env, "args": arguments}
-        if cuda:
-            row["pcie_load_gbps_during_adam"] = load_gbps
         with open(args.jsonl, "a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
         log(f"appended a row to {args.jsonl}")

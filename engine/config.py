@@ -197,9 +197,15 @@ class HardwareConfig:
     h2d_gbps: float = 0.0  # pinned host->device, alone
     d2h_gbps: float = 0.0  # pinned device->host, alone
     bidir_gbps: float = 0.0  # both directions at once, total
+    # both directions at once while the host AdamW runs, total (they share host memory bandwidth); 0: not measured,
+    # the planner then takes the link as fast under the optimizer as alone
+    bidir_gbps_under_adam: float = 0.0
     cpu_adam_gparams_per_s: float = 0.0  # fused CPU AdamW, alone
     cpu_adam_gparams_per_s_under_pcie: float = 0.0  # the same while both PCIe directions stream
     host_process_gib: float = 0.0  # host memory of a training process before any state (torch, CUDA, compiled code)
+    # of host_process_gib, the part in torch.compile's worker processes, which a run without compiled templates
+    # never starts (the planner leaves it out of an eager run's host memory)
+    host_compile_workers_gib: float = 0.0
     calibration: str = ""  # where the measured figures come from (written by bench/calibrate.py)
     # The NVMe tier (engine/streaming/nvme.py): Adam moments of host-updated units in a file on a local disk
     nvme_dir: Optional[str] = None  # a directory on that disk; None: no NVMe tier
@@ -654,7 +660,7 @@ ATTENTION_FIGURES = ("attn_fwd_tflops", "attn_bwd_tflops")
 MOE_FIGURES = tuple(f"moe_{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd"))
 HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
                     "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES, *ATTENTION_FIGURES, *MOE_FIGURES,
-                    *TRANSFER_FIGURES)
+                    *TRANSFER_FIGURES, "bidir_gbps_under_adam", "host_compile_workers_gib")
 
 
 def _validate_hardware(cfg: DictConfig) -> None:

@@ -53,7 +53,8 @@ H2D/D2H alone and both at once, the host AdamW alone and under PCIe load. The fo
 stream, the D2H stream, the host AdamW and compute (see `predict_stream`); `exposed_wait` is the forward's time
 beyond its compute. Activation working-set figures are estimates (bytes per token per layer, from the tensors
 autograd keeps in `decoder_layer`); `margin_gib` covers allocator fragmentation and the CUDA context on the GPU;
-`hardware.host_process_gib` (calibrated) is the process's own host memory before any state.
+`hardware.host_process_gib` (calibrated) is the process's own host memory before any state, less
+`hardware.host_compile_workers_gib` (torch.compile's worker processes) for a run without compiled templates.
 """
 
 from __future__ import annotations
@@ -351,9 +352,9 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> Memory
              (s.L if t.activation_checkpointing else 0) * 4 * s.h * s.mb_tokens)
     plan.add(tier, "working activations (one layer, or the loss chunk)",
              s.act * (1 if t.activation_checkpointing else s.L))
-    if hw.host_process_gib:
-        plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)",
-                 int(hw.host_process_gib * GIB))
+    process_bytes = process_host_bytes(hw, s.compiled)
+    if process_bytes:
+        plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)", process_bytes)
     sp = Speeds(hw, runs_compiled(cfg, on_gpu), s.attention, spec.moe)
     if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0
@@ -391,6 +392,10 @@ class Speeds:
             if self.attn_calibrated else (self.fwd, self.bwd)
         self.attention = attention
         self.h2d, self.d2h, self.bidir = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9, hw.bidir_gbps * 1e9
+        # the link's rate while the host AdamW runs, as a fraction of its rate alone (page-locked DMA and the
+        # optimizer share host memory bandwidth); 1 where the profile has no such figure
+        self.link_under_adam = min(1.0, hw.bidir_gbps_under_adam / hw.bidir_gbps) \
+            if hw.bidir_gbps_under_adam > 0 and hw.bidir_gbps > 0 else 1.0
         # the host AdamW always runs while the forward streams, so its rate under PCIe load is the one used
         self.adam_pcie = hw.cpu_adam_gparams_per_s_under_pcie * 1e9
         self.nvme = hw.nvme_gbps * 1e9  # 0: unknown, the tier's I/O is not timed
@@ -434,6 +439,12 @@ def run_attention(spec, cfg, on_gpu: bool) -> str:
         return cfg.train.attention
 
 
+def process_host_bytes(hw, compiled: bool) -> int:
+    """The training process's host memory before any state: the calibrated figure, without torch.compile's worker
+    processes when the run has no compiled templates (on an H100 host they are 7.3-7.7 of its 9-10 GiB)."""
+    return int(max(0.0, hw.host_process_gib - (0.0 if compiled else hw.host_compile_workers_gib)) * GIB)
+
+
 def runs_compiled(cfg, on_gpu: bool) -> bool:
     """Whether the templates will be torch.compiled (engine/trainer.py decides the same way)."""
     return cfg.train.compile == "on" or (cfg.train.compile == "auto" and on_gpu)
@@ -454,10 +465,12 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     starts once the host AdamW has updated the unit, its slot is free (the ring holds `slots` units) and, for a
     streamed unit, its staging buffer is free (two buffers, freed by the D2H). Compute runs each unit when its
     weights are in. The host AdamW updates its units in order from the start of the forward, at its rate under PCIe
-    load. Exposed wait: forward time beyond its compute. Backward: per layer the larger of its compute and its
-    transfers; the backward reaches a recompute group at its last layer, which also regenerates the group (the
-    forward of its other layers, their weights loaded again, the kept input brought in). The binding resource has
-    the most busy time.
+    load; a transfer that starts while it runs moves at the link's rate under the optimizer (`bidir_gbps_under_adam`
+    over `bidir_gbps`, in both directions: of qwen7b's forward wait at 64K tokens that the plan missed, this accounts
+    for half on an H100 and most on an H200, `bench/plan_backtest.py`). Exposed wait: forward time beyond its
+    compute. Backward: per layer the larger of its compute and its transfers; the backward reaches a recompute
+    group at its last layer, which also regenerates the group (the forward of its other layers, their weights loaded
+    again, the kept input brought in). The binding resource has the most busy time.
 
     Sharded state (`s.state_ranks` > 1, engine/distributed.py): a unit's host update, its H2D and its gradient's D2H
     run on its owner's CPU and link, so each rank's AdamW clock and link are pipelines of their own (the ring's
@@ -500,6 +513,11 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     h2d_end, d2h_end, end = [0.0] * n_units, [0.0] * n_units, [0.0] * n_units
     h2d_prev, d2h_prev, end_prev = [0.0] * ranks, [0.0] * ranks, 0.0
     h2d_busy, d2h_busy = [0.0] * ranks, [0.0] * ranks
+
+    def slowdown(t: float, r: int) -> float:
+        """1 / the link's rate factor for a transfer of rank r's link starting at t (slower while its AdamW runs)."""
+        return 1.0 / sp.link_under_adam if t < clock[r] else 1.0
+
     for u in range(n_units):
         r = link[u]
         start = max(h2d_prev[r], host_done[u])
@@ -511,8 +529,10 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
             h2d_t = s.fmt.state_bytes(numel[u]) / link_each
         else:
             h2d_t = 0.0 if place[u] == "resident" else s.fmt.master_bytes(numel[u]) / sp.h2d
+        h2d_t *= slowdown(start, r)
         h2d_end[u] = h2d_prev[r] = start + h2d_t
         d2h_t = s.fmt.state_bytes(numel[u]) / link_each if place[u] == "streamed" else 0.0
+        d2h_t *= slowdown(max(d2h_prev[r], h2d_end[u]), r)
         # each rank's kept activations go out over its own link
         act_t = layer_input_bytes / sp.d2h if activations_host and 1 <= u and u - 1 in kept_inputs else 0.0
         for q in range(ranks):
@@ -742,7 +762,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks:
                      ring_bytes + s.own_slot_bytes(n_res))
         if on_gpu:
             plan.reserve("gpu", "allocator margin + CUDA context (reserved, not allocated)", int(margin_gib * GIB))
-        process_bytes = int(hw.host_process_gib * GIB)
+        process_bytes = process_host_bytes(hw, s.compiled)
         if process_bytes:
             plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)", process_bytes)
         # start-up: the host masters are written while the other host buffers are not yet touched, but with a
@@ -865,7 +885,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks:
         # the shared accumulators), whichever tier holds them
         # the most host memory the NVMe tier could take over: every unit's moments, within its disk budget
         nvme_room = min(hw.nvme_gib * GIB, sum(moment_bytes)) if nvme_on else 0
-        held_anyway = hw.host_process_gib * GIB + sum(state_bytes) - nvme_room + fmt.grad_bytes(
+        held_anyway = process_host_bytes(hw, s.compiled) + sum(state_bytes) - nvme_room + fmt.grad_bytes(
             sum(lay.numel for lay in layouts[1:-1]) - min(2, L) * s.layer_numel)
 
         def may_fit(g: int) -> bool:

@@ -221,6 +221,8 @@ BAD = {
     "hardware.peak_fp32_tflops": _figures("hardware.peak_fp32_tflops"),
     "hardware.host_mem_gib": _figures("hardware.host_mem_gib"),
     "hardware.host_process_gib": _figures("hardware.host_process_gib"),
+    "hardware.bidir_gbps_under_adam": _figures("hardware.bidir_gbps_under_adam"),
+    "hardware.host_compile_workers_gib": _figures("hardware.host_compile_workers_gib"),
     **{f"hardware.{key}": [*_figures(f"hardware.{key}"), f"hardware.{key}=0 hardware=h200 plan=true"]
        for key in TRANSFER_FIGURES},
     **{f"hardware.{key}": [*_figures(f"hardware.{key}"), f"hardware.{key}=0 " + " ".join(

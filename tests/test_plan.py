@@ -5,7 +5,7 @@ import torch
 from omegaconf import OmegaConf
 
 from engine.model import ModelSpec
-from engine.plan import PlanError, build_plan
+from engine.plan import GIB, PlanError, build_plan
 from tests.util import make_cfg
 
 
@@ -64,6 +64,37 @@ def test_the_split_uses_all_three_places_when_hbm_is_short_of_the_whole_state():
     assert not plan.problem()
     assert plan.times_s["exposed_wait"] <= 0.01 * plan.times_s["step"]
     assert "GPU-streamed" in plan.table() and "calibrat" in plan.table()
+
+
+def test_transfers_while_the_host_adamw_runs_move_at_the_links_rate_under_it():
+    """With host-updated units, the loads that start while their AdamW runs take bidir_gbps / bidir_gbps_under_adam
+    times as long (at most twice here: half the rate), so the forward's transfers and the forward grow; without a
+    host-updated unit, or without the figure, nothing changes."""
+    fixed = ["train.micro_batch_size=2", "train.grad_accum=8", "engine.keep_activation_layers=0"]
+    with_host = [*fixed, "engine.gpu_resident_units=2", "engine.gpu_streamed_units=17"]
+    alone = _stream_plan([*with_host, "hardware.bidir_gbps_under_adam=0"]).times_s
+    loaded = _stream_plan([*with_host, "hardware.bidir_gbps_under_adam=49.355"]).times_s  # half the H200's link
+    assert alone["host_adamw"] == loaded["host_adamw"] > 0
+    assert alone["forward_h2d"] < loaded["forward_h2d"] < 2 * alone["forward_h2d"]
+    assert alone["forward"] < loaded["forward"]
+    no_host = [*fixed, "engine.gpu_resident_units=2", "engine.gpu_streamed_units=28"]
+    alone = _stream_plan([*no_host, "hardware.bidir_gbps_under_adam=0"]).times_s
+    loaded = _stream_plan([*no_host, "hardware.bidir_gbps_under_adam=49.355"]).times_s
+    assert alone["host_adamw"] == 0 and alone == loaded
+
+
+@pytest.mark.parametrize("engine", ["stream", "reference"])
+def test_an_eager_run_plans_its_process_without_the_compile_workers(engine):
+    """torch.compile's worker processes (hardware.host_compile_workers_gib of host_process_gib) exist only when the
+    templates are compiled: an eager run's process row is that much smaller."""
+    row = "this process"
+    base = ["train.micro_batch_size=2", "train.grad_accum=2", f"engine={engine}"]
+    compiled, eager = (next(b for tier, item, b in _stream_plan([*base, f"train.compile={c}"]).rows
+                            if tier == "host" and item.startswith(row)) for c in ("on", "off"))
+    hw = make_cfg(["hardware=h200", "plan=true"]).hardware
+    assert hw.host_compile_workers_gib > 0
+    assert compiled == int(hw.host_process_gib * GIB)
+    assert eager == int((hw.host_process_gib - hw.host_compile_workers_gib) * GIB)
 
 
 def test_a_smaller_gpu_moves_units_off_it_and_a_fixed_split_is_kept():
@@ -182,10 +213,12 @@ def test_sharded_state_plans_the_fullest_ranks_share_of_the_host_state():
     from engine.distributed import state_owners
 
     # the sharding's arithmetic at a fixed per-process figure (h100.yaml's 9.2 GiB, torch.compile's workers on a
-    # 16-core machine included, would not leave this rank's share room: 74.6 of 69.6 GiB)
+    # 16-core machine included, would not leave this rank's share room: 74.6 of 69.6 GiB), with the link as fast
+    # under the host AdamW as alone (the contention has a test of its own)
     cfg = make_cfg(["model=qwen32b", "engine=stream", "hardware=h100x8", "train.seq_len=4096",
                     "train.micro_batch_size=1", "train.grad_accum=1", "engine.gpu_resident_units=0",
-                    "engine.gpu_streamed_units=0", "hardware.host_process_gib=2", "plan=true"])
+                    "engine.gpu_streamed_units=0", "hardware.host_process_gib=2", "hardware.bidir_gbps_under_adam=0",
+                    "plan=true"])
     spec = ModelSpec(cfg.model)
     assert cfg.hardware.host_mem_gib == 557.0 and cfg.hardware.h2d_gbps > 0  # the H100's figures, the host's RAM
     whole, shard = (build_plan(spec, cfg, gpu_gib=78.5, host_gib=557.0 / 8, on_gpu=True, check=False, state_ranks=n)

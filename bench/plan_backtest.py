@@ -1,0 +1,113 @@
+"""Re-plan measured engine rows with the current planner: its step and phases against what each row measured.
+
+    python bench/plan_backtest.py bench/results/engine_h200_2026-12-04.jsonl bench/results/engine_h100_2026-12-06.jsonl
+
+Each `engine=stream` row that measured a step (`step_s`) with its `placement` and `overrides` is composed again
+from those overrides, with the placement it ran fixed (`engine.gpu_resident_units=...` and the rest), on the profile
+of the card it ran on (`gpu` H100 -> `hardware=h100`, H200 -> `hardware=h200`) unless its overrides name one, and
+planned as `python train.py ... plan=true` plans it. Printed per row: the measured step, the plan the row carried
+from its own run (`plan_step_s`, where it has one), today's plan and its error, and the forward and backward
+phases measured and planned; a row whose overrides no longer compose is listed as skipped, with the reason.
+The rows come from older commits, so a gap can be the engine's change as well as the
+planner's: the use is comparing a planner change on the same rows before and after it. `--jsonl` writes the table's
+rows. No GPU needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PLACEMENT_KEYS = ("slots", "keep_activation_layers", "recompute_group", "activation_tier", "grads_tier",
+                  "cache_weights", "gpu_resident_units", "gpu_streamed_units", "nvme_units")
+CARDS = {"H100": "h100", "H200": "h200"}
+
+
+def card_profile(gpu: str) -> str | None:
+    return next((name for key, name in CARDS.items() if key in gpu), None)
+
+
+def replan(row: dict):
+    """The current planner's MemoryPlan for a measured row, or the reason it cannot be re-planned."""
+    from hydra import compose, initialize_config_dir
+
+    from engine import hardware
+    from engine.config import register, validate
+    from engine.model import ModelSpec
+    from engine.plan import build_plan
+
+    overrides = list(row.get("overrides") or [])
+    if any(o.startswith("nproc=") for o in overrides):
+        return "data-parallel row"
+    profile = card_profile(row.get("gpu", ""))
+    if not any(o.startswith("hardware=") for o in overrides):
+        if profile is None:
+            return f"no profile for gpu {row.get('gpu')!r}"
+        overrides.append(f"hardware={profile}")
+    placement = row["placement"]
+    overrides += [f"engine.{k}={placement[k]}" for k in PLACEMENT_KEYS if k in placement]
+    register()
+    try:  # an older row's overrides may name keys renamed or gone since
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=["logger=none", *overrides, "plan=true"])
+        hardware.resolve(cfg)
+        validate(cfg)
+    except Exception as err:  # noqa: BLE001 - reported in the table, the other rows go on
+        return f"its overrides no longer compose: {str(err).splitlines()[0]}"
+    gpu_gib = hardware.usable_gpu_gib(cfg.hardware, 0.0)
+    return build_plan(ModelSpec(cfg.model), cfg, gpu_gib, cfg.hardware.host_mem_gib, on_gpu=True, check=False)
+
+
+def backtest(rows):
+    out = []
+    for row in rows:
+        if row.get("engine") != "stream" or not row.get("step_s") or not row.get("placement"):
+            continue
+        plan = replan(row)
+        entry = {"job": row.get("job"), "gpu": row.get("gpu"), "git_sha": row.get("git_sha"),
+                 "step_s": row["step_s"], "plan_then_s": row.get("plan_step_s")}
+        if isinstance(plan, str):
+            entry["skipped"] = plan
+        else:
+            times = plan.times_s
+            entry.update(plan_now_s=times["step"], error_now=times["step"] / row["step_s"] - 1,
+                         forward_s=row.get("median_forward_s"), plan_forward_s=times["forward"],
+                         backward_s=row.get("median_backward_s"), plan_backward_s=times["backward"])
+        out.append(entry)
+    return out
+
+
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rows", nargs="+", type=Path, help="engine JSONL files (bench/bench_engine.py rows)")
+    ap.add_argument("--jsonl", type=Path, help="also write the table's rows here")
+    args = ap.parse_args(argv)
+    rows = [json.loads(line) for path in args.rows for line in path.read_text().splitlines() if line.strip()]
+    table = backtest(rows)
+    print(f"{'job':44} {'gpu':5} {'sha':8} {'step s':>7} {'then':>6} {'now':>6} {'err now':>8} "
+          f"{'fwd s':>6} {'plan':>6} {'bwd s':>6} {'plan':>6}")
+    for e in table:
+        gpu = card_profile(e["gpu"] or "") or "?"
+        if "skipped" in e:
+            print(f"{e['job']:44} {gpu:5} {e['git_sha'] or '-':8} skipped: {e['skipped']}")
+            continue
+        print(f"{e['job']:44} {gpu:5} {e['git_sha'] or '-':8} {e['step_s']:7.2f} {_f(e['plan_then_s']):>6} "
+              f"{e['plan_now_s']:6.2f} {e['error_now']:+8.1%} {_f(e['forward_s']):>6} {e['plan_forward_s']:6.2f} "
+              f"{_f(e['backward_s']):>6} {e['plan_backward_s']:6.2f}")
+    if args.jsonl is not None:
+        with open(args.jsonl, "w") as f:
+            for e in table:
+                f.write(json.dumps(e) + "\n")
+
+
+if __name__ == "__main__":
+    main()

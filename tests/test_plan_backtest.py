@@ -1,0 +1,44 @@
+"""bench/plan_backtest.py: a measured row re-planned with the placement it ran, on its card's profile."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.model import ModelSpec
+from engine.plan import build_plan
+from tests.util import make_cfg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import plan_backtest  # noqa: E402
+
+OVERRIDES = ["model=qwen7b", "engine=stream", "train=throughput", "train.seq_len=4096", "train.micro_batch_size=2",
+             "train.grad_accum=8"]
+PLACEMENT = {"slots": 2, "keep_activation_layers": 4, "recompute_group": 1, "activation_tier": "gpu",
+             "grads_tier": "host", "cache_weights": "on", "gpu_resident_units": 4, "gpu_streamed_units": 12,
+             "nvme_units": 0}
+
+
+def test_a_row_is_replanned_with_its_placement_on_its_cards_profile(tmp_path, capsys):
+    fixed = [f"engine.{k}={v}" for k, v in PLACEMENT.items()]
+    cfg = make_cfg([*OVERRIDES, "hardware=h200", *fixed, "plan=true"])
+    expected = build_plan(ModelSpec(cfg.model), cfg, 139.0, cfg.hardware.host_mem_gib, on_gpu=True, check=False)
+    row = {"job": "qwen7b-64k", "engine": "stream", "overrides": OVERRIDES, "placement": PLACEMENT, "step_s": 6.5,
+           "plan_step_s": 5.9, "gpu": "NVIDIA H200", "git_sha": "abc1234", "median_forward_s": 1.7,
+           "median_backward_s": 4.4}
+    skipped = {**row, "job": "elsewhere", "gpu": "NVIDIA A100"}
+    reference = {**row, "job": "reference", "engine": "reference"}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in (row, skipped, reference)) + "\n")
+    out = tmp_path / "backtest.jsonl"
+    plan_backtest.main([str(rows), "--jsonl", str(out)])
+    table = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [e["job"] for e in table] == ["qwen7b-64k", "elsewhere"]  # the reference row is not a streamed step
+    first, second = table
+    assert first["plan_now_s"] == pytest.approx(expected.times_s["step"], rel=1e-12)
+    assert first["error_now"] == pytest.approx(expected.times_s["step"] / 6.5 - 1, rel=1e-12)
+    assert (first["plan_then_s"], first["forward_s"]) == (5.9, 1.7)
+    assert "NVIDIA A100" in second["skipped"]
+    printed = capsys.readouterr().out
+    assert "qwen7b-64k" in printed and "skipped: no profile" in printed
