@@ -6,8 +6,8 @@ Each `engine=stream` row that measured a step (`step_s`) with its `placement` an
 from those overrides, with the placement it ran fixed (`engine.gpu_resident_units=...` and the rest), on the profile
 of the card it ran on (`gpu` H100 -> `hardware=h100`, H200 -> `hardware=h200`) unless its overrides name one, and
 planned as `python train.py ... plan=true` plans it. Printed per row: the measured step, the plan the row carried
-from its own run (`plan_step_s`, where it has one), today's plan and its error, and the forward and backward
-phases measured and planned; a row whose overrides no longer compose is listed as skipped, with the reason.
+from its own run (`plan_step_s`, where it has one), today's plan and its error, the forward and backward phases,
+the GPU peak (tensor memory) and the host peak (the process and torch.compile's workers) measured and planned; a row whose overrides no longer compose is listed as skipped, with the reason.
 The rows come from older commits, so a gap can be the engine's change as well as the
 planner's: the use is comparing a planner change on the same rows before and after it. `--jsonl` writes the table's
 rows. No GPU needed.
@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 PLACEMENT_KEYS = ("slots", "keep_activation_layers", "recompute_group", "activation_tier", "grads_tier",
                   "cache_weights", "gpu_resident_units", "gpu_streamed_units", "nvme_units")
 CARDS = {"H100": "h100", "H200": "h200"}
+GIB = 2**30
 
 
 def card_profile(gpu: str) -> str | None:
@@ -63,6 +64,13 @@ def replan(row: dict):
     return build_plan(ModelSpec(cfg.model), cfg, gpu_gib, cfg.hardware.host_mem_gib, on_gpu=True, check=False)
 
 
+def host_gib(row: dict):
+    """The row's host peak as the plan counts it: the process and its children (torch.compile's workers)."""
+    if row.get("host_mem_gib") is None:
+        return None
+    return row["host_mem_gib"] + (row.get("host_children_mem_gib") or 0.0)
+
+
 def backtest(rows):
     out = []
     for row in rows:
@@ -77,7 +85,9 @@ def backtest(rows):
             times = plan.times_s
             entry.update(plan_now_s=times["step"], error_now=times["step"] / row["step_s"] - 1,
                          forward_s=row.get("median_forward_s"), plan_forward_s=times["forward"],
-                         backward_s=row.get("median_backward_s"), plan_backward_s=times["backward"])
+                         backward_s=row.get("median_backward_s"), plan_backward_s=times["backward"],
+                         gpu_gib=row.get("gpu_mem_gib"), plan_gpu_gib=plan.allocated("gpu") / GIB,
+                         host_gib=host_gib(row), plan_host_gib=plan.total("host") / GIB)
         out.append(entry)
     return out
 
@@ -94,7 +104,7 @@ def main(argv=None) -> None:
     rows = [json.loads(line) for path in args.rows for line in path.read_text().splitlines() if line.strip()]
     table = backtest(rows)
     print(f"{'job':44} {'gpu':5} {'sha':8} {'step s':>7} {'then':>6} {'now':>6} {'err now':>8} "
-          f"{'fwd s':>6} {'plan':>6} {'bwd s':>6} {'plan':>6}")
+          f"{'fwd s':>6} {'plan':>6} {'bwd s':>6} {'plan':>6} {'GPU GiB':>8} {'plan':>6} {'host GiB':>9} {'plan':>6}")
     for e in table:
         gpu = card_profile(e["gpu"] or "") or "?"
         if "skipped" in e:
@@ -102,7 +112,8 @@ def main(argv=None) -> None:
             continue
         print(f"{e['job']:44} {gpu:5} {e['git_sha'] or '-':8} {e['step_s']:7.2f} {_f(e['plan_then_s']):>6} "
               f"{e['plan_now_s']:6.2f} {e['error_now']:+8.1%} {_f(e['forward_s']):>6} {e['plan_forward_s']:6.2f} "
-              f"{_f(e['backward_s']):>6} {e['plan_backward_s']:6.2f}")
+              f"{_f(e['backward_s']):>6} {e['plan_backward_s']:6.2f} {_f(e['gpu_gib'], '{:.1f}'):>8} "
+              f"{e['plan_gpu_gib']:6.1f} {_f(e['host_gib'], '{:.1f}'):>9} {e['plan_host_gib']:6.1f}")
     if args.jsonl is not None:
         with open(args.jsonl, "w") as f:
             for e in table:

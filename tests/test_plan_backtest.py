@@ -26,7 +26,7 @@ def test_a_row_is_replanned_with_its_placement_on_its_cards_profile(tmp_path, ca
     expected = build_plan(ModelSpec(cfg.model), cfg, 139.0, cfg.hardware.host_mem_gib, on_gpu=True, check=False)
     row = {"job": "qwen7b-64k", "engine": "stream", "overrides": OVERRIDES, "placement": PLACEMENT, "step_s": 6.5,
            "plan_step_s": 5.9, "gpu": "NVIDIA H200", "git_sha": "abc1234", "median_forward_s": 1.7,
-           "median_backward_s": 4.4}
+           "median_backward_s": 4.4, "gpu_mem_gib": 120.0, "host_mem_gib": 80.0, "host_children_mem_gib": 7.5}
     skipped = {**row, "job": "elsewhere", "gpu": "NVIDIA A100"}
     reference = {**row, "job": "reference", "engine": "reference"}
     rows = tmp_path / "rows.jsonl"
@@ -39,6 +39,9 @@ def test_a_row_is_replanned_with_its_placement_on_its_cards_profile(tmp_path, ca
     assert first["plan_now_s"] == pytest.approx(expected.times_s["step"], rel=1e-12)
     assert first["error_now"] == pytest.approx(expected.times_s["step"] / 6.5 - 1, rel=1e-12)
     assert (first["plan_then_s"], first["forward_s"]) == (5.9, 1.7)
+    assert first["host_gib"] == 87.5  # the process and torch.compile's workers, as the plan counts them
+    assert first["plan_host_gib"] == pytest.approx(expected.total("host") / 2**30, rel=1e-12)
+    assert first["plan_gpu_gib"] == pytest.approx(expected.allocated("gpu") / 2**30, rel=1e-12)
     assert "NVIDIA A100" in second["skipped"]
     printed = capsys.readouterr().out
     assert "qwen7b-64k" in printed and "skipped: no profile" in printed
