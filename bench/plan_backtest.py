@@ -4,13 +4,13 @@
 
 Each `engine=stream` row that measured a step (`step_s`) with its `placement` and `overrides` is composed again
 from those overrides, with the placement it ran fixed (`engine.gpu_resident_units=...` and the rest), on the profile
-of the card it ran on (`gpu` H100 -> `hardware=h100`, H200 -> `hardware=h200`) unless its overrides name one, and
-planned as `python train.py ... plan=true` plans it. Printed per row: the measured step, the plan the row carried
-from its own run (`plan_step_s`, where it has one), today's plan and its error, the forward and backward phases,
-the GPU peak (tensor memory) and the host peak (the process and torch.compile's workers) measured and planned; a row whose overrides no longer compose is listed as skipped, with the reason.
-The rows come from older commits, so a gap can be the engine's change as well as the
-planner's: the use is comparing a planner change on the same rows before and after it. `--jsonl` writes the table's
-rows. No GPU needed.
+of the card it ran on (its `gpu` name mapped as `hardware=auto` maps it) unless its overrides name one, and planned
+as `python train.py ... plan=true` plans it. Printed per row: the measured step, the plan the row carried from its
+own run (`plan_step_s`, where it has one), today's plan and its error, the forward and backward phases, the GPU
+peak (tensor memory) and the host peak (the process and torch.compile's workers), measured and planned; a row
+whose overrides no longer compose is listed as skipped, with the reason. The rows come from older commits, so a
+gap can be the engine's change as well as the planner's: the use is comparing a planner change on the same rows
+before and after it. `--jsonl` writes the table's rows. No GPU needed.
 """
 
 from __future__ import annotations
@@ -22,17 +22,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from engine.hardware import profile_for_gpu  # noqa: E402
+from engine.plan import GIB  # noqa: E402
 
 PLACEMENT_KEYS = ("slots", "keep_activation_layers", "recompute_group", "activation_tier", "grads_tier",
                   "cache_weights", "gpu_resident_units", "gpu_streamed_units", "nvme_units")
-CARDS = {"H100": "h100", "H200": "h200"}
-GIB = 2**30
-
-
-def card_profile(gpu: str) -> str | None:
-    return next((name for key, name in CARDS.items() if key in gpu), None)
-
-
 def replan(row: dict):
     """The current planner's MemoryPlan for a measured row, or the reason it cannot be re-planned."""
     from hydra import compose, initialize_config_dir
@@ -45,7 +39,7 @@ def replan(row: dict):
     overrides = list(row.get("overrides") or [])
     if any(o.startswith("nproc=") for o in overrides):
         return "data-parallel row"
-    profile = card_profile(row.get("gpu", ""))
+    profile = profile_for_gpu(row.get("gpu", ""))
     if not any(o.startswith("hardware=") for o in overrides):
         if profile is None:
             return f"no profile for gpu {row.get('gpu')!r}"
@@ -106,7 +100,7 @@ def main(argv=None) -> None:
     print(f"{'job':44} {'gpu':5} {'sha':8} {'step s':>7} {'then':>6} {'now':>6} {'err now':>8} "
           f"{'fwd s':>6} {'plan':>6} {'bwd s':>6} {'plan':>6} {'GPU GiB':>8} {'plan':>6} {'host GiB':>9} {'plan':>6}")
     for e in table:
-        gpu = card_profile(e["gpu"] or "") or "?"
+        gpu = profile_for_gpu(e["gpu"] or "") or "?"
         if "skipped" in e:
             print(f"{e['job']:44} {gpu:5} {e['git_sha'] or '-':8} skipped: {e['skipped']}")
             continue

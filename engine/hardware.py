@@ -18,13 +18,21 @@ PROFILE_DIR = CONF_DIR / "hardware"
 GPU_PROFILES = {"H100": "h100", "H200": "h200", "GH200": "gh200", "RTX 3090": "rtx3090", "RTX A6000": "a6000"}
 
 
+def profile_for_gpu(name: str) -> str | None:
+    """The profile of a GPU by its device name (the longest marker first: "GH200" before "H200"), or None."""
+    for marker in sorted(GPU_PROFILES, key=len, reverse=True):
+        if marker in name:
+            return GPU_PROFILES[marker]
+    return None
+
+
 def detect_profile() -> str:
     if not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name()
-    for marker in sorted(GPU_PROFILES, key=len, reverse=True):
-        if marker in name:
-            return GPU_PROFILES[marker]
+    profile = profile_for_gpu(name)
+    if profile is not None:
+        return profile
     raise ConfigError(f"hardware=auto: no profile in {PROFILE_DIR} for GPU {name!r}; pass hardware=<name> "
                       f"(one of {', '.join(sorted(p.stem for p in PROFILE_DIR.glob('*.yaml') if p.stem != 'auto'))})")
 

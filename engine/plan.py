@@ -352,9 +352,7 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> Memory
              (s.L if t.activation_checkpointing else 0) * 4 * s.h * s.mb_tokens)
     plan.add(tier, "working activations (one layer, or the loss chunk)",
              s.act * (1 if t.activation_checkpointing else s.L))
-    process_bytes = process_host_bytes(hw, s.compiled)
-    if process_bytes:
-        plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)", process_bytes)
+    add_process_row(plan, hw, s.compiled)
     sp = Speeds(hw, runs_compiled(cfg, on_gpu), s.attention, spec.moe)
     if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0
@@ -443,6 +441,14 @@ def process_host_bytes(hw, compiled: bool) -> int:
     """The training process's host memory before any state: the calibrated figure, without torch.compile's worker
     processes when the run has no compiled templates (on an H100 host they are 7.3-7.7 of its 9-10 GiB)."""
     return int(max(0.0, hw.host_process_gib - (0.0 if compiled else hw.host_compile_workers_gib)) * GIB)
+
+
+def add_process_row(plan: MemoryPlan, hw, compiled: bool) -> int:
+    """The host row of the process itself (none when the profile has no figure); returns its bytes."""
+    nbytes = process_host_bytes(hw, compiled)
+    if nbytes:
+        plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)", nbytes)
+    return nbytes
 
 
 def runs_compiled(cfg, on_gpu: bool) -> bool:
@@ -762,9 +768,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks:
                      ring_bytes + s.own_slot_bytes(n_res))
         if on_gpu:
             plan.reserve("gpu", "allocator margin + CUDA context (reserved, not allocated)", int(margin_gib * GIB))
-        process_bytes = process_host_bytes(hw, s.compiled)
-        if process_bytes:
-            plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)", process_bytes)
+        process_bytes = add_process_row(plan, hw, s.compiled)
         # start-up: the host masters are written while the other host buffers are not yet touched, but with a
         # low-precision master each unit being initialised also holds an fp32 copy (HostStore); the plan's host
         # figure is the larger of the two

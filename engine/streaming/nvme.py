@@ -96,6 +96,11 @@ def file_bytes(numels: List[int]) -> int:
     return sum(2 * _padded(4 * n) for n in numels)
 
 
+def _no_io() -> Dict[str, list]:
+    """Per-direction I/O totals, empty: direction -> [bytes, seconds]."""
+    return {"read": [0, 0.0], "write": [0, 0.0]}
+
+
 class MomentFile:
     def __init__(self, directory: str, numels: Dict[int, int], direct_io: bool):
         """`numels`: unit index -> flat numel of the units whose moments live here (in update order)."""
@@ -137,7 +142,7 @@ class MomentFile:
         self._buffer_of: Dict[int, int] = {}
         self._next_buffer = 0
         self._io_lock = threading.Lock()  # the two I/O threads add to the totals
-        self._io = {"read": [0, 0.0], "write": [0, 0.0]}  # direction -> [bytes, seconds] since take_io_stats
+        self._io = _no_io()  # direction -> [bytes, seconds] since take_io_stats
 
     @property
     def staging_bytes(self) -> int:
@@ -178,7 +183,7 @@ class MomentFile:
         """Bytes moved (GB), busy seconds and achieved GB/s per direction since the last call; resets the totals.
         Keys: nvme_{read,write}_gb, nvme_{read,write}_s, nvme_{read,write}_gbps (absent without traffic)."""
         with self._io_lock:
-            io, self._io = self._io, {"read": [0, 0.0], "write": [0, 0.0]}
+            io, self._io = self._io, _no_io()
         stats: Dict[str, float] = {}
         for direction, (nbytes, seconds) in io.items():
             if nbytes:
