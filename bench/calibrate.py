@@ -35,6 +35,12 @@ step is made of, each the median of `--repeats` timed repetitions after `--warmu
    (its attention alone subtracted) -> `moe_fwd_tflops_<mode>`, `moe_bwd_tflops_<mode>` and `moe_model`: the
    planner times MoE layers with these (their grouped expert matmuls, gathers and scatters run far below a
    dense layer's rate: at 16K tokens on an H200 the dense figures made the MoE backward 2.5-6.4x short).
+   The profile records the layer's model and width (`layer_model`, `layer_hidden`). With `--width-models`, each of
+   those dense models' layer and head at the same tokens, measured as above -> one entry of `layer_widths` each
+   (model, hidden size, the six layer and head figures): a layer's rate depends on its width (on an H100 a
+   2048-wide qwen3b layer ran 6-21% below the 3584-wide qwen7b one), and the planner interpolates between
+   calibrated widths. Without `--width-models` the base profile's widths are left out, not copied: they were
+   measured beside another calibration's main layer.
 2. PCIe: `--copy-gib` from page-locked host memory (plain memory registered with cudaHostRegister, as the host
    store pins its arena) to the device -> `h2d_gbps`, back -> `d2h_gbps`, and both at once on two streams ->
    `bidir_gbps` (the bytes of both directions over the time of the pair). GB here is 1e9 bytes.
@@ -128,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-model", default=None,
                     help="a MoE model of conf/model/ whose layer gives the moe_* figures the planner times MoE "
                          "layers with (default: none; their grouped expert matmuls run well below a dense layer)")
+    ap.add_argument("--width-models", default="",
+                    help="comma-separated dense models of conf/model/ whose layer and head are measured as well, at "
+                         "the same tokens, for the planner to time models of other widths (e.g. qwen3b,qwen14b; "
+                         "default: none)")
     ap.add_argument("--attn-seq-len", type=int, default=32768,
                     help="tokens of the one sequence the attention figures are measured at (default: 32768)")
     ap.add_argument("--copy-gib", type=float, default=1.0, help="GiB per PCIe copy (default: 1)")
@@ -192,6 +202,16 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dic
         args.moe_cfg = _model_config(parser, "--moe-model", args.moe_model, known, args.seq_len)
         _require(parser, bool(args.moe_cfg.num_experts), f"--moe-model {args.moe_model} is a dense model; choose "
                  "a mixture-of-experts one (gptoss20b, gptoss120b, qwen3_30b_a3b)")
+    args.width_cfgs = {}
+    widths = {model_cfg.hidden_size: f"--model {args.model}"}
+    for name in (m.strip() for m in args.width_models.split(",") if m.strip()):
+        cfg = _model_config(parser, "--width-models", name, known, args.seq_len)
+        _require(parser, not cfg.num_experts, f"--width-models {name} is a mixture-of-experts model; its layer "
+                 "figures come from --moe-model")
+        _require(parser, cfg.hidden_size not in widths, f"--width-models {name} has hidden size {cfg.hidden_size}, "
+                 f"as {widths.get(cfg.hidden_size)} has: give each width once")
+        widths[cfg.hidden_size] = f"--width-models {name}"
+        args.width_cfgs[name] = cfg
 
     _require(parser, args.base.is_file(), f"--base {str(args.base)!r}: no such file")
     try:
@@ -289,19 +309,20 @@ def attention_timer(spec: ModelSpec, backend: str, batch: int, seq_len: int, win
 
 
 def measure_attention(model_cfg: DictConfig, args: argparse.Namespace, device: torch.device,
-                      compute_dtype: torch.dtype, moe: bool = False) -> tuple[dict, dict]:
+                      compute_dtype: torch.dtype, label: str = "") -> tuple[dict, dict]:
     """The attention kernel at the calibration's layer shape -> (seconds, forward and backward, that the layer
     figures subtract), and at one sequence of `--attn-seq-len` tokens -> the profile's attention figures
-    (not for the `--moe-model` layer, which only needs the first)."""
+    (only for the main layer: `label` names another one, the `--moe-model` or a `--width-models` layer, which
+    only needs the first)."""
     spec = ModelSpec(model_cfg)
     backend = resolve_attention(args.attention, device.type, spec.arch.head_dim, spec.sinks_or_window)
     on_device = device.type == "cuda"
     forward, backward = attention_timer(spec, backend, args.micro_batch, args.seq_len, spec.layer_windows[0], device,
                                         compute_dtype)[1:]
-    shape = "moe layer shape" if moe else "layer shape"
+    shape = f"{label} layer shape" if label else "layer shape"
     in_layer = {"fwd": median_s(forward, args, on_device, f"attention fwd ({shape})"),
                 "bwd": median_s(backward, args, on_device, f"attention bwd ({shape})")}
-    if moe:
+    if label:
         return in_layer, {}
     flops, forward, backward = attention_timer(spec, backend, 1, args.attn_seq_len, None, device, compute_dtype)
     figures = {"attn_fwd_tflops": flops / median_s(forward, args, on_device, "attention fwd") / 1e12,
@@ -315,9 +336,10 @@ def measure_attention(model_cfg: DictConfig, args: argparse.Namespace, device: t
 
 
 def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, device: torch.device,
-                 compute_dtype: torch.dtype, attention: dict, moe: bool = False) -> dict[str, float]:
+                 compute_dtype: torch.dtype, attention: dict, moe: bool = False, label: str = "") -> dict[str, float]:
     """The layer's figures without its attention (`attention`: its seconds at this shape) and the
-    head's; `moe`: the `--moe-model` layer's, as `moe_fwd_tflops_<mode>` / `moe_bwd_tflops_<mode>`, no head."""
+    head's; `moe`: the `--moe-model` layer's, as `moe_fwd_tflops_<mode>` / `moe_bwd_tflops_<mode>`, no head;
+    `label`: names the layer in the log (a `--width-models` one)."""
     spec = ModelSpec(model_cfg)
     # the attention backend a run picks (train.attention), at the calibration's length: unchunked
     spec.set_layer_compute(LayerCompute(attention=resolve_attention(args.attention, device.type, spec.arch.head_dim,
@@ -376,8 +398,9 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
     if not moe:
         measured.append(("head", head, head_flops, 0.0))
     prefix = "moe_" if moe else ""
+    label = "moe" if moe else label
     for name, fn, n_flops, attn_s in measured:
-        what = f"{'moe ' if moe else ''}{mode} {name}"
+        what = f"{label + ' ' if label else ''}{mode} {name}"
         seconds = median_s(fn, args, on_device, what)
         if seconds <= attn_s:
             raise RuntimeError(f"{what}: the layer took {seconds * 1e3:.3f} ms, its attention alone "
@@ -385,9 +408,22 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
                                "noisy cannot calibrate: raise --repeats or the layer's tokens)")
         key = f"{prefix}{name}_tflops_{mode}"
         out[key] = n_flops / (seconds - attn_s) / 1e12
-        log(f"{prefix + mode:12} {name:4} {seconds * 1e3:9.2f} ms  {out[key]:8.2f} TFLOP/s "
+        log(f"{(label + ' ' if label else '') + mode:12} {name:4} {seconds * 1e3:9.2f} ms  {out[key]:8.2f} TFLOP/s "
             f"({n_flops / 1e12:.3f} TFLOP{', attention excluded' if attn_s else ''})")
     return out
+
+
+def measure_width(name: str, model_cfg: DictConfig, args: argparse.Namespace, device: torch.device,
+                  compute_dtype: torch.dtype) -> dict:
+    """A `--width-models` layer and head in every mode -> one entry of the profile's `layer_widths`."""
+    log(f"{name} layer and head (another width: hidden {model_cfg.hidden_size}) at the same tokens")
+    attention = measure_attention(model_cfg, args, device, compute_dtype, label=name)[0]
+    entry = {"model": name, "hidden": int(model_cfg.hidden_size)}
+    for mode in args.mode_list:
+        entry.update(measure_mode(model_cfg, mode, args, device, compute_dtype, attention, label=name))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return entry
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -531,6 +567,8 @@ def write_profile(args: argparse.Namespace, figures: dict[str, float], not_measu
     """The base profile with `figures` replaced or added (figures of `not_measured` are 0), one field per line."""
     profile = dict(args.base_profile)
     profile.update({k: _rounded(v) if isinstance(v, float) else v for k, v in figures.items()})
+    profile["layer_widths"] = [{k: _rounded(v) if isinstance(v, float) else v for k, v in width.items()}
+                               for width in figures["layer_widths"]]
     profile["calibration"] = calibration
     measured = [k for k in figures if k not in not_measured]
     header = [f"# Written by bench/calibrate.py ({calibration}).",
@@ -562,12 +600,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             torch.cuda.empty_cache()
     if args.moe_cfg is not None:
         log(f"{args.moe_model} layer (the MoE figures) at the same tokens")
-        attention_moe = measure_attention(args.moe_cfg, args, device, compute_dtype, moe=True)[0]
+        attention_moe = measure_attention(args.moe_cfg, args, device, compute_dtype, label="moe")[0]
         for mode in args.mode_list:
             figures.update(measure_mode(args.moe_cfg, mode, args, device, compute_dtype, attention_moe, moe=True))
             if cuda:
                 torch.cuda.empty_cache()
         figures["moe_model"] = args.moe_model
+    figures["layer_model"], figures["layer_hidden"] = args.model, int(model_cfg.hidden_size)
+    figures["layer_widths"] = [measure_width(name, cfg, args, device, compute_dtype)
+                               for name, cfg in args.width_cfgs.items()]
+    dropped = args.base_profile.get("layer_widths") or []
+    if dropped and not args.width_cfgs:
+        log(f"the base profile's {len(dropped)} other layer widths are left out: they were measured beside another "
+            "calibration's main layer (--width-models measures them again)")
 
     # what a training process holds on the host before any state: torch, the CUDA context, compiled kernels (the
     # layer's host-side master copies are freed by now) and torch.compile's worker processes, which stay alive
@@ -598,7 +643,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     calibration = (f"{env['date']} git {env['git_sha']} model {args.model} {args.micro_batch}x{args.seq_len} "
                    f"torch {env['torch']} triton {env['triton']} gpu {env['gpu']} modes {','.join(args.mode_list)} "
                    f"fused_loss {args.fused_loss} attention {args.attention}"
-                   + (f" moe_model {args.moe_model}" if args.moe_model else ""))
+                   + (f" moe_model {args.moe_model}" if args.moe_model else "")
+                   + (f" width_models {','.join(args.width_cfgs)}" if args.width_cfgs else ""))
     if set(args.mode_list) != set(MODES):
         calibration += f" (other modes' figures from {args.base.name})"
     write_profile(args, figures, not_measured, calibration)

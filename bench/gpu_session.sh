@@ -13,6 +13,8 @@
 #   bash bench/gpu_session.sh attnab   # issue 5: Triton vs SDPA in the compiled qwen7b layer at 32K
 #   bash bench/gpu_session.sh dptests dp9   # issue 9, on a multi-GPU kind: 2 GPUs == 1 (NCCL), then 1..8 GPUs
 #   bash bench/gpu_session.sh calibrate ctxsweep   # issue 5: qwen7b 4K-128K, one sequence a step, rows + plot
+#   PLANNER_ONLY=qwen3b bash bench/gpu_session.sh calibrate planner17   # issue 17: calibrate (with the other layer
+#     widths of WIDTH_MODELS, default qwen3b,qwen14b,qwen72b; WIDTH_MODELS= for none), then the qwen3b planner jobs
 #   MOE_MODEL=gptoss20b bash bench/gpu_session.sh calibrate   # the profile with a MoE layer's figures too (the
 #     compiled MoE layer has not yet run on a GPU: a failure there fails the whole calibration, so opt in)
 #   bash bench/gpu_session.sh ctx512; WAIT_S=560 bash bench/gpu_session.sh ctx512wait   # issue 5: qwen7b at 512K
@@ -65,15 +67,16 @@ for stage in "$@"; do
     streamtests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
                    tests/test_stream_gpu.py > "$OUT/gpu_stream_tests.log" 2>&1; tail -30 "$OUT/gpu_stream_tests.log" ;;
     calibrate) card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00' | tr H h)
-               timeout 240 python3 bench/calibrate.py --base conf/hardware/$card.yaml --out "$OUT/$card.yaml" \
-                 ${MOE_MODEL:+--moe-model $MOE_MODEL} \
+               timeout 420 python3 bench/calibrate.py --base conf/hardware/$card.yaml --out "$OUT/$card.yaml" \
+                 ${MOE_MODEL:+--moe-model $MOE_MODEL} --width-models "${WIDTH_MODELS-qwen3b,qwen14b,qwen72b}" \
                  --jsonl "$OUT/calibrate.jsonl" 2>&1 | tail -18
                [ -s "$OUT/$card.yaml" ] && cp "$OUT/$card.yaml" conf/hardware/$card.yaml ;;  # later stages plan with it
     kept17) timeout 560 python3 bench/bench_engine.py --grid kept17 --out "$OUT/engine.jsonl" \
               --workdir /tmp/bench --timeout-s 140 2>&1 | tail -10 ;;
     perf17) timeout 560 python3 bench/bench_engine.py --grid perf17 --out "$OUT/engine.jsonl" \
               --workdir /tmp/bench --timeout-s 170 2>&1 | tail -10 ;;
-    planner17) timeout 560 python3 bench/bench_engine.py --grid planner17 --out "$OUT/engine.jsonl" \
+    planner17) only=(); for job in ${PLANNER_ONLY:-}; do only+=(--only "$job"); done  # e.g. PLANNER_ONLY="qwen3b"
+               timeout 560 python3 bench/bench_engine.py --grid planner17 "${only[@]}" --out "$OUT/engine.jsonl" \
                  --workdir /tmp/bench --timeout-s 120 2>&1 | tail -12 ;;
     compare3b) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
                  .whl/peers/*.whl
@@ -145,9 +148,10 @@ for stage in "$@"; do
             timeout 440 python3 bench/bench_engine.py --grid nvme7ab --out "$OUT/engine.jsonl" --workdir /tmp/bench \
               --timeout-s 210 2>&1 | tail -4 ;;
     modelsize) timeout 560 python3 train.py +sweep=model_size logger=none hydra.sweep.dir=/tmp/msweep \
-                 train.steps=4 > "$OUT/model_size_sweep.log" 2>&1; tail -4 "$OUT/model_size_sweep.log"
+                 train.steps=3 > "$OUT/model_size_sweep.log" 2>&1; tail -4 "$OUT/model_size_sweep.log"
                python3 -m engine.report /tmp/msweep --x published_params --png "$OUT/model_size.png" \
-                 --jsonl "$OUT/model_size.jsonl" 2>&1 | tail -8 ;;
+                 --jsonl "$OUT/model_size.jsonl" 2>&1 | tail -8
+               (cd /tmp/msweep && tar czf "$OUT/model_size_logs.tgz" */train.log */summary.json */metrics.jsonl) ;;
     peers) timeout 200 python3 bench/peers/all_on_gpu.py --model qwen7b --micro-batch-size 2 --grad-accum 8 \
              --out "$OUT/peers.jsonl" 2>&1 | tail -3 ;;
   esac

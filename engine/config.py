@@ -155,8 +155,33 @@ class TrainConfig:
 
 
 @dataclass
-class HardwareConfig:
-    """Figures of 0 are unknown: no GPU memory cap, no MFU, no step-time prediction."""
+class LayerFigures:
+    """Measured by bench/calibrate.py on the machine (the planner's time model; 0: unknown). TFLOPS count model FLOPs
+    (engine/metrics.py) of one decoder layer's forward, its backward (recompute included: 3x the forward's FLOPs)
+    and the head's forward + backward, with compiled or eager templates. With attention figures (HardwareConfig) the
+    layer figures cover the layer's FLOPs other than attention's (the layer's time less its attention's); without,
+    all."""
+    fwd_tflops_compiled: float = 0.0
+    bwd_tflops_compiled: float = 0.0
+    head_tflops_compiled: float = 0.0
+    fwd_tflops_eager: float = 0.0
+    bwd_tflops_eager: float = 0.0
+    head_tflops_eager: float = 0.0
+
+
+@dataclass
+class LayerWidthFigures(LayerFigures):
+    """The figures of one more model's decoder layer and head (0: that mode not measured), so the planner can time
+    models of other widths: a 2048-wide qwen3b layer runs 6-21% below a 3584-wide qwen7b one on an H100.
+    bench/calibrate.py --width-models measures them."""
+    model: str = ""  # the model of conf/model/ whose layer was measured
+    hidden: int = 0  # its hidden size, the axis the planner interpolates along
+
+
+@dataclass
+class HardwareConfig(LayerFigures):
+    """Figures of 0 are unknown: no GPU memory cap, no MFU, no step-time prediction. The layer and head figures
+    (LayerFigures) are those of `layer_model`'s layer."""
 
     name: str = MISSING
     device: str = "auto"  # auto | cpu | cuda
@@ -170,16 +195,12 @@ class HardwareConfig:
     peak_bf16_tflops: float = 0.0  # dense bf16 matmul peak, the MFU denominator on GPUs
     peak_fp32_tflops: float = 0.0  # the MFU denominator when computing in fp32 (CPU runs)
     host_mem_gib: float = 0.0  # host RAM the run may use; 0: the machine's MemTotal
-    # Measured by bench/calibrate.py on the machine (the planner's time model; 0: unknown). TFLOPS count model FLOPs
-    # (engine/metrics.py) of one decoder layer's forward, its backward (recompute included: 3x the forward's FLOPs)
-    # and the head's forward + backward, with compiled or eager templates. With attention figures (below) the layer
-    # figures cover the layer's FLOPs other than attention's (the layer's time less its attention's); without, all.
-    fwd_tflops_compiled: float = 0.0
-    bwd_tflops_compiled: float = 0.0
-    head_tflops_compiled: float = 0.0
-    fwd_tflops_eager: float = 0.0
-    bwd_tflops_eager: float = 0.0
-    head_tflops_eager: float = 0.0
+    # the model and hidden size of the layer the LayerFigures were measured on ("", 0: unknown; they then time
+    # every model), and the figures of other widths: a model between two calibrated widths is timed at rates
+    # interpolated in log(hidden), one outside them at the nearest width's
+    layer_model: str = ""
+    layer_hidden: int = 0
+    layer_widths: List[LayerWidthFigures] = field(default_factory=list)
     # The attention kernel alone (causal, full, one sequence of attn_seq_len tokens, backend attn_backend): its
     # model FLOPs (QK^T and PV) per second forward, and forward + backward counted as 3 forwards. Attention's rate
     # grows with length while the rest of the layer's does not: the planner times the two parts apart.
@@ -322,6 +343,9 @@ def _describe(tp: Any) -> str:
     if typing.get_origin(tp) is typing.Union:
         return f"{_describe(next(a for a in typing.get_args(tp) if a is not type(None)))} or null"
     if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        if is_dataclass(item):
+            return f"a list of entries with the keys {', '.join(f.name for f in fields(item))}"
         return "a list, like [a, b]"
     return "a value"
 
@@ -663,6 +687,32 @@ HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_
                     *TRANSFER_FIGURES, "bidir_gbps_under_adam", "host_compile_workers_gib")
 
 
+def _validate_layer_widths(hw: DictConfig) -> None:
+    _positive("hardware.layer_hidden", hw.layer_hidden, 0)
+    if not hw.layer_widths:
+        return
+    if hw.layer_hidden < 1 or not hw.layer_model:
+        raise ConfigError(f"hardware.layer_widths has {len(hw.layer_widths)} entries while hardware.layer_hidden="
+                          f"{hw.layer_hidden}, hardware.layer_model={hw.layer_model!r}: the other widths are placed "
+                          "beside the main layer figures' width; set both (bench/calibrate.py writes them)")
+    seen = {hw.layer_hidden: f"hardware.layer_hidden ({hw.layer_model})"}
+    for i, width in enumerate(hw.layer_widths):
+        key = f"hardware.layer_widths[{i}]"
+        _name(f"{key}.model", width.model)
+        _positive(f"{key}.hidden", width.hidden)
+        if width.hidden in seen:
+            raise ConfigError(f"{key}.hidden={width.hidden} ({width.model}) repeats the width of {seen[width.hidden]}; "
+                              "give each calibrated width once")
+        seen[width.hidden] = f"{key} ({width.model})"
+        for mode in ("compiled", "eager"):
+            mode_keys = [k for k in TFLOPS_FIGURES if k.endswith(mode)]
+            for k in mode_keys:
+                _real(f"{key}.{k}", width[k], 0, why=" (0: not measured)")
+            if 0 < sum(width[k] > 0 for k in mode_keys) < len(mode_keys):
+                raise ConfigError(f"{key} ({width.model}): " + ", ".join(f"{k}={width[k]}" for k in mode_keys)
+                                  + f": the {mode} figures are used together; set all three or none")
+
+
 def _validate_hardware(cfg: DictConfig) -> None:
     hw = cfg.hardware
     _name("hardware.name", hw.name)
@@ -677,6 +727,7 @@ def _validate_hardware(cfg: DictConfig) -> None:
             raise ConfigError(f"hardware.{missing[0]}={hw[missing[0]]} while hardware.{known[0]}={hw[known[0]]}: "
                               f"the {mode} figures are used together; set all of {', '.join(mode_keys)} "
                               "(bench/calibrate.py measures them) or none")
+    _validate_layer_widths(hw)
     _choice("hardware.attn_backend", hw.attn_backend, ("", *ATTENTION_BACKENDS[1:]))
     _positive("hardware.attn_seq_len", hw.attn_seq_len, 0)
     if any(hw[k] > 0 for k in ATTENTION_FIGURES):

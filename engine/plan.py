@@ -59,6 +59,7 @@ autograd keeps in `decoder_layer`); `margin_gib` covers allocator fragmentation 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -353,7 +354,7 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> Memory
     plan.add(tier, "working activations (one layer, or the loss chunk)",
              s.act * (1 if t.activation_checkpointing else s.L))
     add_process_row(plan, hw, s.compiled)
-    sp = Speeds(hw, runs_compiled(cfg, on_gpu), s.attention, spec.moe)
+    sp = Speeds(hw, runs_compiled(cfg, on_gpu), s.attention, spec.moe, spec.arch.hidden)
     if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0
         plan.times_s = {"forward": s.L * sp.layer_fwd_s(s), "head": s.head_flops / sp.head,
@@ -376,10 +377,11 @@ class Speeds:
     `describe` when it is not the one the attention figures were measured with. `moe`: the model's layers are MoE
     layers, timed with the profile's MoE figures where it has them."""
 
-    def __init__(self, hw, compiled: bool, attention: str = "", moe: bool = False):
+    def __init__(self, hw, compiled: bool, attention: str = "", moe: bool = False, hidden: int = 0):
         mode = "compiled" if compiled else "eager"
         self.mode = mode
-        self.fwd, self.bwd, self.head = (hw[f"{k}_tflops_{mode}"] * 1e12 for k in ("fwd", "bwd", "head"))
+        rates, self.width_note = width_rates(hw, mode, hidden)
+        self.fwd, self.bwd, self.head = (r * 1e12 for r in rates)
         # a MoE model's layers at the figures of a measured MoE layer where the profile has them
         self.moe, self.moe_calibrated = moe, moe and hw[f"moe_fwd_tflops_{mode}"] > 0
         if self.moe_calibrated:
@@ -413,6 +415,8 @@ class Speeds:
 
     def describe(self, hw) -> str:
         line = f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"
+        if self.width_note:
+            line += f"; {self.width_note}"
         if not self.attn_calibrated:
             line += "; attention timed at the layer's rate (no attention figures)"
         else:
@@ -425,6 +429,32 @@ class Speeds:
             line += ("; MoE layers are timed at a dense layer's figures (the profile has no MoE figures: "
                      "bench/calibrate.py --moe-model): expect a longer step, the backward most")
         return line
+
+
+def width_rates(hw, mode: str, hidden: int) -> Tuple[Tuple[float, float, float], str]:
+    """((fwd, bwd, head) TFLOPS, how they were found) for layers `hidden` wide in `mode`. The profile's main figures
+    (measured at `layer_hidden`) and those of `layer_widths` are points on a hidden-size axis: a width between two
+    of them gets rates interpolated linearly in log(hidden), one outside them the nearest point's. The note is ""
+    when the main figures serve as they are (no other width in the profile, or the run's width unknown)."""
+    keys = tuple(f"{k}_tflops_{mode}" for k in ("fwd", "bwd", "head"))
+    main = tuple(float(hw[k]) for k in keys)
+    points = [(w.hidden, w.model, tuple(float(w[k]) for k in keys)) for w in hw.layer_widths if w[keys[0]] > 0]
+    if hidden < 1 or not points or hw.layer_hidden < 1 or main[0] <= 0:
+        return main, ""
+    points = sorted(points + [(hw.layer_hidden, hw.layer_model, main)])
+    named = ", ".join(f"{h} ({m})" for h, m, _ in points)
+    below = [p for p in points if p[0] <= hidden]
+    above = [p for p in points if p[0] >= hidden]
+    if not below or not above:
+        h, m, rates = above[0] if above else below[-1]
+        return rates, (f"layers at the figures of the nearest calibrated width, {h} ({m}); this model's {hidden} is "
+                       f"outside the calibrated widths {named}")
+    (h0, m0, r0), (h1, m1, r1) = below[-1], above[0]
+    if h0 == h1:
+        return r0, f"layers at the figures of calibrated width {h0} ({m0})"
+    t = math.log(hidden / h0) / math.log(h1 / h0)
+    rates = tuple(a + t * (b - a) for a, b in zip(r0, r1))
+    return rates, f"layers at rates interpolated for width {hidden} between calibrated widths {h0} ({m0}) and {h1} ({m1})"
 
 
 def run_attention(spec, cfg, on_gpu: bool) -> str:
@@ -670,7 +700,7 @@ def choose_split(s: _Shape, sp: Speeds, candidates: List[Tuple[dict, float]]) ->
 def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks: int = 1) -> MemoryPlan:
     e, hw = cfg.engine, cfg.hardware
     s = _Shape(spec, cfg, on_gpu, fmt, state_ranks)
-    sp = Speeds(hw, runs_compiled(cfg, on_gpu), s.attention, spec.moe)
+    sp = Speeds(hw, runs_compiled(cfg, on_gpu), s.attention, spec.moe, spec.arch.hidden)
     layouts, L = s.layouts, s.L
     compute_tier = "gpu" if on_gpu else "host"
 

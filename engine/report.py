@@ -8,6 +8,9 @@ model.num_hidden_layers=4`) are labelled as such in every row and line, with the
 the measured per-layer forward + backward time and the planner's full-depth memory and step next to it. For
 engine=stream rows, `layer_tflops` is the decoder layers' model FLOPs (3 x forward, recompute not counted) over
 the forward + backward phase time: the per-layer throughput, comparable across model widths whatever the depth.
+`layer_compute_tflops` is the same over those phases less the compute stream's stalls in them (waits for weights,
+gradients or the host optimizer): at 70B-class widths four layers cannot hide their host AdamW, a stall that a
+full-depth model spreads over 80 layers, so the two figures apart tell a width's own rate from that stall.
 
 Every directory below the given ones that holds a `summary.json` (a finished run) or a `refused.json` (a job the
 trainer refused before it started, e.g. a memory plan that does not fit) becomes a row; a run dir with neither (a
@@ -121,7 +124,16 @@ def run_row(run_dir: Path) -> dict:
     if fwd and bwd:  # the decoder layers alone (engine=stream's phase times): comparable across depths and heads
         layer_flops = model_flops_per_token(OmegaConf.create(cfg["model"]), t["seq_len"])[
             "layer_forward_flops_per_token"]
-        row["layer_tflops"] = 3 * layer_flops * row["tokens_per_step"] * row["num_hidden_layers"] / (fwd + bwd) / 1e12
+        work = 3 * layer_flops * row["tokens_per_step"] * row["num_hidden_layers"]
+        row["layer_tflops"] = work / (fwd + bwd) / 1e12
+        # the same without the compute stream's stalls inside those phases (its waits for weights, gradients, the
+        # host optimizer: `exposed_s` less the gap between steps), each step's own: what the layers run at when
+        # fed, apart from what a short, depth-truncated model cannot hide
+        busy = [s["forward_s"] + s["backward_s"] - s["exposed_s"] + s.get("between_steps_stall_s", 0.0)
+                for s in timed if all(isinstance(s.get(k), (int, float)) for k in ("forward_s", "backward_s",
+                                                                                      "exposed_s"))]
+        if busy and statistics.median(busy) > 0:
+            row["layer_compute_tflops"] = work / statistics.median(busy) / 1e12
     truncated = summary.get("depth_truncated")
     if truncated:
         row.update(depth_truncated=True, **{k: v for k, v in truncated.items() if k != "layers"})
@@ -149,7 +161,8 @@ def _fmt(x, spec=".1f") -> str:
 
 
 def table(rows: List[dict]) -> str:
-    lines = [f"{'model':10} {'seq':>7} {'tok/step':>9} {'tok/s':>8} {'TFLOPS':>7} {'layer':>7} {'GPU GiB (plan)':>15} "
+    lines = [f"{'model':10} {'seq':>7} {'tok/step':>9} {'tok/s':>8} {'TFLOPS':>7} {'layer':>7} {'fed':>7} "
+             f"{'GPU GiB (plan)':>15} "
              f"{'host GiB (plan)':>16} {'attention':>9}  note"]
     for r in rows:
         note = r.get("refused") or r.get("error") or ""
@@ -161,6 +174,7 @@ def table(rows: List[dict]) -> str:
         lines.append(
             f"{r.get('model') or '?':10} {_fmt(r.get('seq_len'), 'd'):>7} {_fmt(r.get('tokens_per_step'), 'd'):>9} "
             f"{_fmt(r.get('tokens_per_s'), '.0f'):>8} {_fmt(r.get('tflops')):>7} {_fmt(r.get('layer_tflops')):>7} "
+            f"{_fmt(r.get('layer_compute_tflops')):>7} "
             f"{_fmt(r.get('gpu_mem_gib')) + ' (' + _fmt(r.get('plan_gpu_gib')) + ')':>15} "
             f"{_fmt(r.get('host_mem_gib')) + ' (' + _fmt(r.get('plan_host_gib')) + ')':>16} "
             f"{r.get('attention') or '-':>9}  {note.splitlines()[0][:100] if note else ''}")
@@ -196,6 +210,9 @@ def plot(rows: List[dict], x_key: str, png: Path, title: str) -> None:
     ax.plot(xs, [r["tflops"] for r in done], "o-", color="tab:blue", label="model TFLOPS")
     if any(r.get("layer_tflops") is not None for r in done):
         ax.plot(xs, [r.get("layer_tflops") for r in done], "^:", color="tab:purple", label="decoder-layer TFLOPS")
+    if any(r.get("layer_compute_tflops") is not None for r in done):
+        ax.plot(xs, [r.get("layer_compute_tflops") for r in done], "v--", color="tab:pink",
+                label="decoder-layer TFLOPS, stalls out")
     models = {r.get("model") for r in done}
     for r in done:  # name each point by what varies (the model in a size sweep) and mark depth-truncated runs
         label = r.get("model") if len(models) > 1 else ""

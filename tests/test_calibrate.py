@@ -151,3 +151,42 @@ def test_refuses_a_moe_model_that_is_not_one(calibrate, tmp_path, capsys, model,
     with pytest.raises(SystemExit):
         calibrate.main([*TINY, "--moe-model", model, "--out", str(tmp_path / "p.yaml")])
     assert named in capsys.readouterr().err
+
+
+def test_other_widths_give_layer_and_head_figures_of_their_own(calibrate, tmp_path, monkeypatch):
+    """--width-models: each model's layer and head at the same tokens, its attention alone subtracted, one entry of
+    `layer_widths` each beside the main layer's model and width; the planner's schema reads the profile, and a
+    later calibration without the flag leaves the widths out rather than mixing leases (fixed timings)."""
+    seconds = {"attention fwd (layer shape)": 0.001, "attention bwd (layer shape)": 0.003,
+               "attention fwd (qwen0_5b layer shape)": 0.002, "attention bwd (qwen0_5b layer shape)": 0.004,
+               "qwen0_5b eager fwd": 0.010, "qwen0_5b eager bwd": 0.028, "qwen0_5b eager head": 0.050}
+    monkeypatch.setattr(calibrate, "median_s", lambda fn, args, on_device, what: seconds.get(what, 0.01))
+    out = tmp_path / "p.yaml"
+    calibrate.main([*TINY, "--width-models", "qwen0_5b", "--out", str(out)])
+
+    profile = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(out))
+    assert (profile.layer_model, profile.layer_hidden) == ("tiny", 288)
+    (width,) = profile.layer_widths
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf/model/qwen0_5b.yaml"))
+    flops = model_flops_per_token(cfg, 64)
+    other = (flops["layer_forward_flops_per_token"] - flops["layer_attention_forward_flops_per_token"]) * 64
+    assert (width.model, width.hidden) == ("qwen0_5b", 896)
+    assert width.fwd_tflops_eager == pytest.approx(other / 0.008 / 1e12, rel=1e-3)
+    assert width.bwd_tflops_eager == pytest.approx(3 * other / 0.024 / 1e12, rel=1e-3)
+    assert width.head_tflops_eager == pytest.approx(4 * flops["head_forward_flops_per_token"] * 64 / 0.050 / 1e12,
+                                                    rel=1e-3)  # unfused on a CPU: forward, recompute, backward
+    assert width.fwd_tflops_compiled == 0.0  # a mode not measured
+    assert "width_models qwen0_5b" in profile.calibration
+
+    again = tmp_path / "q.yaml"
+    calibrate.main([*TINY, "--base", str(out), "--out", str(again)])
+    assert OmegaConf.load(again).layer_widths == []
+
+
+@pytest.mark.parametrize("models, named", [("gpt5", "'gpt5'"), ("tiny", "hidden size 288, as --model tiny has"),
+                                           ("qwen0_5b,qwen0_5b", "as --width-models qwen0_5b has"),
+                                           ("gptoss20b", "mixture-of-experts")])
+def test_refuses_width_models_that_cannot_be_one(calibrate, tmp_path, capsys, models, named):
+    with pytest.raises(SystemExit):
+        calibrate.main([*TINY, "--width-models", models, "--out", str(tmp_path / "p.yaml")])
+    assert named in capsys.readouterr().err

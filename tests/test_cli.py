@@ -104,6 +104,15 @@ def test_a_depth_truncated_run_is_labelled_and_extrapolated(tmp_path):
     assert row["depth_truncated"] and row["full_depth_layers"] == 4
     assert row["full_depth_step_s_extrapolated"] > row["step_s"]
     assert row["layer_tflops"] > 0
+    # with the compute stream's stalls (measured on CUDA), the layers' own rate leaves those inside the phases out
+    metrics = run_dir / "metrics.jsonl"
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for step in logged:
+        if "loss" in step:
+            step.update(forward_s=0.3, backward_s=0.6, exposed_s=0.2, between_steps_stall_s=0.05)
+    metrics.write_text("".join(json.dumps(step) + "\n" for step in logged))
+    stalled = run_row(run_dir)
+    assert stalled["layer_compute_tflops"] == pytest.approx(stalled["layer_tflops"] * 0.9 / 0.75)
     # the plan's phases go beside the measured ones (the CPU profile has no speeds: a GPU plan's phases here)
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["plan_times_s"] = {"forward": 1.5, "backward": 2.5, "step": 4.25}

@@ -234,7 +234,7 @@ BAD = {
                               "hardware.attn_bwd_tflops=300 hardware.attn_backend=sdpa"],
     **{f"hardware.{key}": [*_figures(f"hardware.{key}"), f"hardware=h200 hardware.{key}=300 "
                            "hardware.attn_seq_len=32768 hardware.attn_backend=sdpa",
-                           f"hardware=cpu hardware.attn_fwd_tflops=1 hardware.attn_bwd_tflops=1 "
+                           "hardware=cpu hardware.attn_fwd_tflops=1 hardware.attn_bwd_tflops=1 "
                            "hardware.attn_seq_len=64 hardware.attn_backend=sdpa"]
        for key in ATTENTION_FIGURES},
     "hardware.moe_model": ["hardware.moe_model=[a]", "hardware=h200 hardware.moe_fwd_tflops_eager=100 "
@@ -245,6 +245,16 @@ BAD = {
                            "hardware=cpu hardware.moe_model=gptoss20b " + " ".join(
                                f"hardware.moe_{k}_tflops_{key.rsplit('_', 1)[1]}=1" for k in ("fwd", "bwd"))]
        for key in MOE_FIGURES},
+    "hardware.layer_model": ["hardware.layer_model=[a]",
+                             "hardware=h100 hardware.layer_model='' hardware.layer_widths=[{model:x,hidden:2048}]"],
+    "hardware.layer_hidden": ["hardware.layer_hidden=-1", "hardware.layer_hidden=x",
+                              "hardware=cpu hardware.layer_widths=[{model:qwen3b,hidden:2048}]"],
+    "hardware.layer_widths": ["hardware.layer_widths=x", "hardware.layer_widths=[{model:qwen3b,width:2048}]",
+                              "hardware=h100 hardware.layer_widths=[{model:qwen7b,hidden:3584}]",  # the main width
+                              "hardware=h100 hardware.layer_widths=[{model:'',hidden:2048}]",
+                              "hardware=h100 hardware.layer_widths=[{model:qwen3b,hidden:0}]",
+                              "hardware=h100 hardware.layer_widths=[{model:qwen3b,hidden:2048,fwd_tflops_eager:1}]",
+                              "hardware=h100 hardware.layer_widths=[{model:qwen3b,hidden:2048,fwd_tflops_eager:-1}]"],
     "hardware.calibration": ["hardware.calibration=[a]"],
     "hardware.nvme_dir": [f"hardware.nvme_dir={A_FILE} hardware.nvme_gib=10", "hardware.nvme_dir=[a]"],
     "hardware.nvme_gib": [*_figures("hardware.nvme_gib"), "hardware.nvme_gib=10"],

@@ -1,11 +1,14 @@
 """The planner's refusals: every memory tier that overflows is named with its numbers."""
 
+import math
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from engine.config import LayerWidthFigures, validate
 from engine.model import ModelSpec
-from engine.plan import GIB, PlanError, build_plan
+from engine.plan import GIB, PlanError, build_plan, width_rates
 from tests.util import make_cfg
 
 
@@ -279,3 +282,47 @@ def test_a_moe_plan_times_its_layers_at_the_moe_figures_or_says_it_has_none():
     assert same.times_s == dense.times_s
     assert slow.times_s["forward_compute"] == dense.times_s["forward_compute"]
     assert slow.times_s["backward"] > 3 * dense.times_s["backward"] * 0.9
+
+
+def test_layers_of_another_width_are_timed_at_that_widths_calibrated_rates():
+    """With a second calibrated width, layers between the two are timed at rates interpolated in log(hidden), at a
+    calibrated width at exactly its figures and outside them at the nearest one's; a mode that width has no figures
+    for, or a profile without other widths, keeps the main figures. The plan says which it used."""
+    cfg = make_cfg(["hardware=h200", "plan=true"])
+    hw = cfg.hardware
+    keys = ("fwd_tflops_compiled", "bwd_tflops_compiled", "head_tflops_compiled")
+    main = tuple(hw[k] for k in keys)
+    assert width_rates(hw, "compiled", 2048) == (main, "")  # no other width: the main figures, no note
+    hw.layer_widths = [LayerWidthFigures(model="qwen3b", hidden=2048, **{k: hw[k] / 2 for k in keys})]
+    validate(cfg)
+    half = tuple(r / 2 for r in main)
+    assert width_rates(hw, "compiled", 3584) == (main, "layers at the figures of calibrated width 3584 (qwen7b)")
+    assert width_rates(hw, "compiled", 2048) == (half, "layers at the figures of calibrated width 2048 (qwen3b)")
+    rates, note = width_rates(hw, "compiled", round(math.sqrt(2048 * 3584)))  # halfway in log(hidden)
+    assert rates == pytest.approx(tuple(0.75 * r for r in main), rel=1e-3)
+    assert note.endswith("between calibrated widths 2048 (qwen3b) and 3584 (qwen7b)")
+    assert width_rates(hw, "compiled", 8192)[0] == main and width_rates(hw, "compiled", 896)[0] == half
+    assert "nearest calibrated width, 2048 (qwen3b); this model's 896" in width_rates(hw, "compiled", 896)[1]
+    eager = tuple(hw[k.replace("compiled", "eager")] for k in keys)
+    assert width_rates(hw, "eager", 2048) == (eager, "")  # that width has no eager figures
+    assert width_rates(hw, "compiled", 0) == (main, "")  # the run's width unknown
+
+
+def test_a_calibrated_narrower_layer_lengthens_the_plan_of_a_model_of_that_width():
+    """qwen3b with a fixed placement: its layers at a calibrated 2048-wide layer's half rates take twice the
+    compute of the plan at the qwen7b layer's figures, and the plan's speeds line names the width."""
+    over = ["model=qwen3b", "engine=stream", "hardware=h200", "train=throughput", "train.seq_len=4096", "plan=true",
+            "train.micro_batch_size=2", "train.grad_accum=2", "engine.gpu_resident_units=36",
+            "engine.gpu_streamed_units=0", "engine.keep_activation_layers=0"]
+    plans = []
+    for rate in (1.0, 0.5):
+        cfg = make_cfg(over)
+        hw = cfg.hardware
+        hw.layer_widths = [LayerWidthFigures(model="qwen3b", hidden=2048, **{
+            k: hw[k] * rate for k in ("fwd_tflops_compiled", "bwd_tflops_compiled", "head_tflops_compiled")})]
+        validate(cfg)
+        plans.append(build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False))
+    same, slow = plans
+    assert "calibrated width 2048 (qwen3b)" in slow.speeds
+    for phase in ("forward_compute", "backward"):  # the attention's share keeps its own rates
+        assert 1.5 * same.times_s[phase] < slow.times_s[phase] <= 2 * same.times_s[phase], phase
