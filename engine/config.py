@@ -128,6 +128,10 @@ class TrainConfig:
     # fp32 | bf16: the dtype the host-updated units' gradients cross PCIe in (engine=stream, exact fp32 state only);
     # bf16 rounds them stochastically on the GPU (seeded per run, unit and step) and halves their host buffers
     grad_transfer_dtype: str = "fp32"
+    # engine=reference with fp32 state: torch (torch's fused AdamW, the exact recipe) | kernel (the fused update
+    # kernel of the low-precision formats, over the same fp32 state: equal to torch's to 1 ulp per element and step,
+    # to compare the two update paths, e.g. in bench/bench_formats_quality.py)
+    fp32_update: str = "torch"
     moments_block_size: int = 256  # int8 moments: elements per scale, a power of two
     compute_dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     activation_checkpointing: bool = True  # engine=reference only: the stream engine always recomputes
@@ -487,6 +491,14 @@ def validate(cfg: DictConfig) -> None:
                               f"host AdamW, which runs fp32 state only; here {why}. Valid: "
                               "train.grad_transfer_dtype=fp32, or bf16 with engine=stream and train.master_dtype, "
                               "train.moments_dtype and train.grad_dtype all fp32")
+    if cfg.train.fp32_update == "kernel":
+        fmt = formats.StateFormat.of(cfg.train)
+        why = (f"engine={e.name} updates fp32 state with torch's AdamW" if e.name != "reference"
+               else None if fmt.exact else f"{fmt.overrides()} is always updated by the kernel")
+        if why:
+            raise ConfigError(f"train.fp32_update=kernel runs engine=reference's fp32 state through the fused update "
+                              f"kernel; here {why}. Valid: train.fp32_update=torch, or kernel with engine=reference "
+                              "and train.master_dtype, train.moments_dtype and train.grad_dtype all fp32")
     if e.recompute_group == 0 or e.recompute_group < -1:
         raise ConfigError(f"engine.recompute_group={e.recompute_group} is not valid; use -1 (auto) or a number of "
                           "layers per recompute group >= 1")
@@ -654,6 +666,7 @@ def _validate_train(cfg: DictConfig) -> None:
     _choice("train.moments_dtype", t.moments_dtype, formats.MOMENTS_DTYPES)
     _choice("train.grad_dtype", t.grad_dtype, formats.GRAD_DTYPES)
     _choice("train.grad_transfer_dtype", t.grad_transfer_dtype, ("fp32", "bf16"))
+    _choice("train.fp32_update", t.fp32_update, ("torch", "kernel"))
     lo, hi = formats.BLOCK_SIZE_RANGE
     if not lo <= t.moments_block_size <= hi or t.moments_block_size & (t.moments_block_size - 1):
         raise ConfigError(f"train.moments_block_size={t.moments_block_size} is not valid; use a power of two in "

@@ -13,6 +13,8 @@ parameters are views of one fp32 flat buffer holding the master's values, the un
 format (`optim.FormatAdamW`), and after each update the fresh master is upcast into the flat buffer (exact: bf16
 values are fp32 values). Per unit and step: one gather of the gradients into a flat fp32 buffer, one fused update,
 one upcast; with bf16 gradients, one stochastic rounding of the gathered gradient before the norm.
+`train.fp32_update=kernel` runs fp32 state through that same path: the fused kernel in place of torch's AdamW, to
+tell the update path's effect on training from the formats' own (unit states, and so checkpoints, are the same).
 """
 
 from __future__ import annotations
@@ -40,11 +42,14 @@ class ReferenceEngine:
                  dp: DataParallel = SINGLE):
         self.spec, self.t, self.device, self.compute_dtype, self.dp = spec, cfg.train, device, compute_dtype, dp
         self.fmt = StateFormat.of(cfg.train)
+        # fp32 state updated by torch's fused AdamW (the exact recipe), or else by the fused update kernel through
+        # FormatAdamW over flat buffers (low-precision formats; fp32 too with train.fp32_update=kernel)
+        self.torch_adamw = self.fmt.exact and cfg.train.fp32_update == "torch"
         self.params: List[Dict[str, torch.nn.Parameter]] = []
         decay, no_decay = [], []
         self.flat: List[torch.Tensor] = []  # low-precision formats: each unit's weights, fp32, one buffer
         for unit in spec.units:
-            if self.fmt.exact:
+            if self.torch_adamw:
                 host = {s.name: torch.empty(s.shape, dtype=torch.float32) for s in unit.layout.specs}
                 spec.init_unit(unit, host, cfg.seed)
                 params = {name: torch.nn.Parameter(t.to(device)) for name, t in host.items()}
@@ -57,7 +62,7 @@ class ReferenceEngine:
                 (decay if s.decay else no_decay).append(params[s.name])
             self.params.append(params)
         self.ordered = [p for unit in self.params for p in unit.values()]
-        if self.fmt.exact:
+        if self.torch_adamw:
             self.opt = optim.make_adamw(decay, no_decay, self.t)
         else:
             self.opt = optim.FormatAdamW.from_masters([u.layout for u in spec.units], self.fmt, self.t, cfg.seed,
@@ -112,12 +117,12 @@ class ReferenceEngine:
         if grad_hook is not None:
             for unit, params in zip(self.spec.units, self.params):
                 grad_hook(unit.index, {name: p.grad for name, p in params.items()})
-        grads = [p.grad for p in self.ordered] if self.fmt.exact else self._held_grads()
+        grads = [p.grad for p in self.ordered] if self.torch_adamw else self._held_grads()
         total_norm = optim.global_norm(optim.sq_norms(grads))
         skipped = not bool(torch.isfinite(total_norm))
         if skipped:
             self.skipped_steps += 1
-        elif self.fmt.exact:
+        elif self.torch_adamw:
             coef = optim.clip_coefficient(total_norm, self.t.max_grad_norm)
             torch._foreach_mul_(grads, coef)
             optim.set_lr(self.opt, lr)
@@ -169,7 +174,7 @@ class ReferenceEngine:
                 for u, ps in zip(self.spec.units, self.params) for name, p in ps.items()}
 
     def adam_moments(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-        if not self.fmt.exact:
+        if not self.torch_adamw:
             return {k: mv for u in self.spec.units for k, mv in self.opt.moments_by_name(u.index).items()}
         out = {}
         for u, ps in zip(self.spec.units, self.params):
@@ -182,7 +187,7 @@ class ReferenceEngine:
     def unit_state(self, index: int) -> dict:
         """One unit's training state by name (live tensors on the engine's device, not copies): fp32 master
         weights, Adam moments (empty before the first update) and Adam's step count."""
-        if not self.fmt.exact:
+        if not self.torch_adamw:
             return self.opt.unit_state(index)
         params = self.params[index]
         state = {"master": {n: p.detach() for n, p in params.items()}, "exp_avg": {}, "exp_avg_sq": {}, "step": 0.0}
@@ -197,7 +202,7 @@ class ReferenceEngine:
     def load_unit_state(self, index: int, master: Dict[str, torch.Tensor], exp_avg=None, exp_avg_sq=None,
                         step: float = 0.0, flat=None) -> None:
         """Copy a unit's state in (names and shapes as in `unit_state`); moments are optional (HF import)."""
-        if not self.fmt.exact:
+        if not self.torch_adamw:
             self.opt.load_unit_state(index, master, exp_avg, exp_avg_sq, step, flat)
             self.flat[index].copy_(self.opt.master[index])
             return
@@ -211,7 +216,7 @@ class ReferenceEngine:
     def memory_bytes(self) -> Dict[str, int]:
         n = sum(p.numel() for p in self.ordered)
         tier = "gpu" if self.device.type == "cuda" else "host"
-        if self.fmt.exact:
+        if self.torch_adamw:
             return {f"{tier}_master": 4 * n, f"{tier}_grads": 4 * n, f"{tier}_moments": 8 * n}
         state = self.opt.nbytes()
         return {f"{tier}_master": state["master"], f"{tier}_weights_fp32": 4 * n, f"{tier}_grads": 8 * n,

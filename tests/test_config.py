@@ -191,6 +191,8 @@ BAD = {
     "train.grad_dtype": ["train.grad_dtype=int8"],
     "train.grad_transfer_dtype": ["train.grad_transfer_dtype=fp16", "train.grad_transfer_dtype=bf16",
                                   "train.grad_transfer_dtype=bf16 engine=stream train.moments_dtype=int8"],
+    "train.fp32_update": ["train.fp32_update=triton", "engine=stream train.fp32_update=kernel",
+                          "train.master_dtype=bf16 train.moments_dtype=bf16 train.fp32_update=kernel"],
     "train.moments_block_size": ["train.moments_block_size=0", "train.moments_block_size=100",
                                  "train.moments_block_size=32768"],
     "train.compute_dtype": ["train.compute_dtype=fp16"],

@@ -122,6 +122,24 @@ def test_the_fused_kernel_trains_as_the_plain_torch_update(monkeypatch, name):
         assert torch.equal(flat, master.float())  # the model computes with the master's values
 
 
+def test_fp32_state_through_the_kernel_trains_as_torchs_adamw():
+    """train.fp32_update=kernel: engine=reference's fp32 state updated by the fused kernel (interpreter) through
+    FormatAdamW in place of torch's AdamW. Over three steps with clipping active: the losses equal to rounding, the
+    unit states (what a checkpoint holds) in the same names, shapes and dtypes, their values equal to rounding."""
+    losses_t, eng_t = _train_reference([], 3)
+    losses_k, eng_k = _train_reference(["train.fp32_update=kernel"], 3)
+    assert eng_t.torch_adamw and not eng_k.torch_adamw
+    assert losses_k[0] == losses_t[0] and losses_k == pytest.approx(losses_t, rel=1e-6)
+    for index in range(len(eng_t.spec.units)):
+        want, got = eng_t.unit_state(index), eng_k.unit_state(index)
+        assert float(got["step"]) == float(want["step"]) == 3.0
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert got[key].keys() == want[key].keys(), key
+            for name in want[key]:
+                assert got[key][name].dtype == torch.float32 and got[key][name].shape == want[key][name].shape
+                torch.testing.assert_close(got[key][name], want[key][name], rtol=1e-4, atol=1e-9)
+
+
 def test_low_precision_formats_learn_like_fp32(monkeypatch):
     """Twelve steps of the plain-torch update: the loss falls in every format and stays near the fp32 run's."""
     fp32, _ = _train_reference([], 12)
