@@ -717,13 +717,21 @@ def _validate_layer_widths(hw: DictConfig) -> None:
             raise ConfigError(f"{key}.hidden={width.hidden} ({width.model}) repeats the width of {seen[width.hidden]}; "
                               "give each calibrated width once")
         seen[width.hidden] = f"{key} ({width.model})"
-        for mode in ("compiled", "eager"):
-            mode_keys = [k for k in TFLOPS_FIGURES if k.endswith(mode)]
-            for k in mode_keys:
-                _real(f"{key}.{k}", width[k], 0, why=" (0: not measured)")
-            if 0 < sum(width[k] > 0 for k in mode_keys) < len(mode_keys):
-                raise ConfigError(f"{key} ({width.model}): " + ", ".join(f"{k}={width[k]}" for k in mode_keys)
-                                  + f": the {mode} figures are used together; set all three or none")
+        for k in TFLOPS_FIGURES:
+            _real(f"{key}.{k}", width[k], 0, why=" (0: not measured)")
+        _layer_figures_together(width, key)
+
+
+def _layer_figures_together(node: DictConfig, key: str) -> None:
+    """A mode's layer and head figures (LayerFigures) are used together: all of them set, or none."""
+    for mode in ("compiled", "eager"):
+        mode_keys = [k for k in TFLOPS_FIGURES if k.endswith(mode)]
+        known = [k for k in mode_keys if node[k] > 0]
+        if known and len(known) < len(mode_keys):
+            missing = [k for k in mode_keys if k not in known]
+            raise ConfigError(f"{key}.{missing[0]}={node[missing[0]]} while {key}.{known[0]}={node[known[0]]}: "
+                              f"the {mode} figures are used together; set all of {', '.join(mode_keys)} "
+                              "(bench/calibrate.py measures them) or none")
 
 
 def _validate_hardware(cfg: DictConfig) -> None:
@@ -732,14 +740,7 @@ def _validate_hardware(cfg: DictConfig) -> None:
     _choice("hardware.device", hw.device, ("auto", "cpu", "cuda"))
     for key in HARDWARE_FIGURES:
         _real(f"hardware.{key}", hw[key], 0, why=" (0: unknown)")
-    for mode in ("compiled", "eager"):
-        mode_keys = [k for k in TFLOPS_FIGURES if k.endswith(mode)]
-        known = [k for k in mode_keys if hw[k] > 0]
-        if known and len(known) < len(mode_keys):
-            missing = [k for k in mode_keys if k not in known]
-            raise ConfigError(f"hardware.{missing[0]}={hw[missing[0]]} while hardware.{known[0]}={hw[known[0]]}: "
-                              f"the {mode} figures are used together; set all of {', '.join(mode_keys)} "
-                              "(bench/calibrate.py measures them) or none")
+    _layer_figures_together(hw, "hardware")
     _validate_layer_widths(hw)
     _choice("hardware.attn_backend", hw.attn_backend, ("", *ATTENTION_BACKENDS[1:]))
     _positive("hardware.attn_seq_len", hw.attn_seq_len, 0)

@@ -41,6 +41,11 @@ class StateFormat:
         return cls(train_cfg.master_dtype, train_cfg.moments_dtype, train_cfg.grad_dtype,
                    train_cfg.moments_block_size)
 
+    def torch_adamw(self, fp32_update: str) -> bool:
+        """Whether engine=reference updates this format with torch's fused AdamW: fp32 state, unless
+        `train.fp32_update=kernel` sends it through the fused update kernel as the other formats are."""
+        return self.exact and fp32_update == "torch"
+
     @property
     def exact(self) -> bool:
         """fp32 everywhere: the update equals torch.optim.AdamW on an fp32 model, and the host AdamW can run it."""

@@ -346,7 +346,7 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> Memory
     plan.add(tier, f"{fmt.master} master weights", fmt.master_bytes(n))
     plan.add(tier, "fp32 gradients", 4 * n)
     plan.add(tier, f"{fmt.moments} Adam m + v", fmt.moments_bytes(n))
-    if not fmt.exact or t.fp32_update == "kernel":  # the kernel's path (engine/reference.py)
+    if not fmt.torch_adamw(t.fp32_update):  # the kernel's path (engine/reference.py)
         plan.add(tier, "fp32 weights the forward reads, the gathered fp32 gradient (+ its bf16 copy)",
                  8 * n + (fmt.grad_bytes(n) if fmt.grad != "fp32" else 0))
     plan.add(tier, "layer-input activations (one micro-batch)",

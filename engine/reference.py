@@ -44,7 +44,7 @@ class ReferenceEngine:
         self.fmt = StateFormat.of(cfg.train)
         # fp32 state updated by torch's fused AdamW (the exact recipe), or else by the fused update kernel through
         # FormatAdamW over flat buffers (low-precision formats; fp32 too with train.fp32_update=kernel)
-        self.torch_adamw = self.fmt.exact and cfg.train.fp32_update == "torch"
+        self.torch_adamw = self.fmt.torch_adamw(cfg.train.fp32_update)
         self.params: List[Dict[str, torch.nn.Parameter]] = []
         decay, no_decay = [], []
         self.flat: List[torch.Tensor] = []  # low-precision formats: each unit's weights, fp32, one buffer
