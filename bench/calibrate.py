@@ -14,12 +14,13 @@ step is made of, each the median of `--repeats` timed repetitions after `--warmu
    per mode; `compiled` calls `compile_templates`, and the first warm-up call, which compiles, is timed on its own
    and printed when slow):
    - forward without autograd, as the engine's forward runs a layer -> `fwd_tflops_<mode>`;
-   - backward as the engine runs it: the forward again with autograd from a leaf input, then `torch.autograd.grad`
-     for the input and every weight under a random upstream gradient, then the weight gradients added into an
-     fp32 buffer of the layer's layout (the engine accumulates each micro-batch's gradients so: the fused kernel
-     of engine/kernels/grad_accum.py on CUDA, torch adds on the CPU; at qwen7b's 64K tokens per step in 8
-     micro-batches that is ~0.2 s of an H200 step) -> `bwd_tflops_<mode>`, counted as 3 forwards (the recompute
-     and the backward's two matmuls per weight);
+   - backward as the engine runs it (`ModelSpec.layer_grads`): the forward again with autograd from a leaf input,
+     then the gradients of the input and every weight under a random upstream gradient, then the weight gradients
+     added into an fp32 buffer of the layer's layout (the engine accumulates each micro-batch's gradients so: the
+     fused kernel of engine/kernels/grad_accum.py on CUDA, torch adds on the CPU; at qwen7b's 64K tokens per step
+     in 8 micro-batches that is ~0.2 s of an H200 step) -> `bwd_tflops_<mode>`, counted as 3 forwards (the
+     recompute and the backward's two matmuls per weight) less what the recompute leaves out (a dense layer's down
+     projection), as the planner counts it;
    - the head: `spec.loss_sum` with autograd, then the gradient for the input and the head's weights (with tied
      embeddings the embedding matrix is the LM head, as in the engine's `_head`) -> `head_tflops_<mode>`, counted
      as 4 head forwards (the forward, the chunked loss's recompute and a backward of two).
@@ -364,7 +365,6 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
     labels = torch.randint(0, spec.arch.vocab, (B, T), generator=gen).to(device)
     rope = spec.rope(T, device)
     layer_p = bind_unit(spec, spec.units[1], device, compute_dtype, leaf=True)
-    layer_names = list(layer_p)
     head_p = {} if moe else bind_unit(spec, spec.units[-1], device, compute_dtype, leaf=True)
     head_names = list(head_p)
     tied_w = bind_unit(spec, spec.units[0], device, compute_dtype, leaf=True)[spec.tied_weight_name] \
@@ -380,9 +380,7 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
     def backward() -> None:
         x_in = x.detach().requires_grad_()
         with autocast_ctx(device, compute_dtype):
-            y = spec.layer(layer_p, x_in, rope, 0)
-        grads = torch.autograd.grad(y, [x_in] + [layer_p[n] for n in layer_names], grad_outputs=dy)[1:]
-        grad_acc.add(dict(zip(layer_names, grads)))
+            grad_acc.add(spec.layer_grads(layer_p, x_in, dy, rope, 0)[1])
 
     def head() -> None:
         x_in = x.detach().requires_grad_()
@@ -394,7 +392,8 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
     # the layer's FLOPs but attention's: its matmuls (the count's attention share is a mean over the model's layers,
     # sliding-window ones included, where this layer's attention, timed alone, is its own)
     other_flops = layer_fwd_flops - flops["layer_attention_forward_flops_per_token"] * tokens
-    measured = [("fwd", forward, other_flops, attention["fwd"]), ("bwd", backward, 3 * other_flops, attention["bwd"])]
+    bwd_flops = 3 * other_flops - spec.recompute_skipped_flops_per_token(chunked_mlp=False) * tokens
+    measured = [("fwd", forward, other_flops, attention["fwd"]), ("bwd", backward, bwd_flops, attention["bwd"])]
     if not moe:
         measured.append(("head", head, head_flops, 0.0))
     prefix = "moe_" if moe else ""

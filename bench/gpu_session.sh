@@ -20,6 +20,8 @@
 #     compiled MoE layer has not yet run on a GPU: a failure there fails the whole calibration, so opt in)
 #   bash bench/gpu_session.sh ctx512; WAIT_S=560 bash bench/gpu_session.sh ctx512wait   # issue 5: qwen7b at 512K
 #     (H200), in its own process session: call ctx512wait again in back-to-back calls until the run ends
+#   BASE_SHA=<sha> bash bench/gpu_session.sh recomputeab   # planner17's qwen3b 32K and qwen7b 64K jobs from this tree
+#     and from .whl/base.tar (`git archive <sha>`), alternating, in one lease (AB_JOBS= other jobs of that grid)
 #   bash bench/gpu_session.sh calibrate compare3b streamtests planner17 perf17 kept17   # issue 17 (calibrate
 #   writes $OUT/<card>.yaml for the card it runs on, h100 or h200, to be committed by hand; the later stages of the
 #   same call plan with it)
@@ -76,6 +78,15 @@ for stage in "$@"; do
                  ${MOE_MODEL:+--moe-model $MOE_MODEL} --width-models "${WIDTH_MODELS-qwen3b,qwen14b,qwen72b}" \
                  --jsonl "$OUT/calibrate.jsonl" 2>&1 | tail -18
                [ -s "$OUT/$card.yaml" ] && cp "$OUT/$card.yaml" conf/hardware/$card.yaml ;;  # later stages plan with it
+    recomputeab) for job in ${AB_JOBS:-qwen3b-stream-32k qwen7b-stream-64k-mb4}; do  # this tree, then .whl/base.tar's
+                   timeout 230 python3 bench/bench_engine.py --grid planner17 --only $job --out "$OUT/engine.jsonl" \
+                     --workdir /tmp/bench --timeout-s 210 2>&1 | tail -3
+                   [ -f .whl/base.tar ] || continue
+                   [ -d /tmp/base ] || { mkdir -p /tmp/base && tar xf .whl/base.tar -C /tmp/base; }
+                   (cd /tmp/base && STREAMTRAIN_GIT_SHA=${BASE_SHA:-base} timeout 230 python3 bench/bench_engine.py \
+                      --grid planner17 --only $job --out "$OUT/engine_base.jsonl" --workdir /tmp/bench_base \
+                      --timeout-s 210 2>&1 | tail -3)
+                 done ;;  # the same jobs from two trees in one lease (BASE_SHA names the base's commit)
     kept17) timeout 560 python3 bench/bench_engine.py --grid kept17 --out "$OUT/engine.jsonl" \
               --workdir /tmp/bench --timeout-s 140 2>&1 | tail -10 ;;
     perf17) timeout 560 python3 bench/bench_engine.py --grid perf17 --out "$OUT/engine.jsonl" \

@@ -69,7 +69,7 @@ from engine.formats import StateFormat, all_formats
 from engine.metrics import model_flops_per_token
 from engine.model.attention import HAVE_FLASH_ATTN, resolve_attention
 from engine.model import moe
-from engine.model.dense import resolve_mlp_chunk_tokens
+from engine.model.dense import mlp_chunked, resolve_mlp_chunk_tokens
 
 GIB = 2**30
 HBM_ADAMW_BYTES_PER_S = 3.0e12  # fused CUDA AdamW: ~28 B/param of HBM traffic at about 3 TB/s
@@ -195,8 +195,8 @@ def layer_activation_bytes_per_token(spec, compute_bytes: int, compiled: bool = 
 def layer_graph_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, mlp_chunk_tokens: int) -> int:
     """What one layer's autograd graph over `tokens` tokens keeps; a chunked MLP (`mlp_chunk_tokens > 0` and fewer
     than `tokens`) keeps none of its intermediates."""
-    chunked = 0 < mlp_chunk_tokens < tokens
-    return layer_activation_bytes_per_token(spec, compute_bytes, compiled, mlp=not chunked) * tokens
+    mlp = not mlp_chunked(mlp_chunk_tokens, tokens)
+    return layer_activation_bytes_per_token(spec, compute_bytes, compiled, mlp=mlp) * tokens
 
 
 def layer_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, mlp_chunk_tokens: int,
@@ -295,8 +295,10 @@ class _Shape:
         self.layer_fwd_flops = flops["layer_forward_flops_per_token"] * self.step_tokens
         self.layer_attn_fwd_flops = flops["layer_attention_forward_flops_per_token"] * self.step_tokens
         # a chunked MLP checkpoints each chunk: a layer's backward runs its MLP forward once more
-        chunked = 0 < self.mlp_chunk_tokens < self.mb_tokens
+        chunked = mlp_chunked(self.mlp_chunk_tokens, self.mb_tokens)
         self.mlp_recompute_flops = flops["layer_mlp_forward_flops_per_token"] * self.step_tokens if chunked else 0
+        # the streaming engine's recompute leaves out what no gradient reads (ModelSpec.layer_grads)
+        self.recompute_skipped_flops = spec.recompute_skipped_flops_per_token(chunked) * self.step_tokens
         # the head: forward + backward (2x); the chunked torch chain also recomputes the logits in its backward
         self.head_flops = (3 if fused else 4) * flops["head_forward_flops_per_token"] * self.step_tokens
 
@@ -406,12 +408,12 @@ class Speeds:
         other = s.layer_fwd_flops - s.layer_attn_fwd_flops
         return forwards * (other / self.fwd + s.layer_attn_fwd_flops / self.attn_fwd)
 
-    def layer_bwd_s(self, s: "_Shape", forwards: int) -> float:
+    def layer_bwd_s(self, s: "_Shape", forwards: int, skipped_flops: float = 0.0) -> float:
         """Seconds of one layer's backward work worth `forwards` forwards of FLOPs (3: a forward with autograd, then
-        the backward's two; 2 for a kept graph), at the backward rates, plus a chunked MLP's recompute of its
-        checkpointed chunks (one MLP forward, at the forward rate)."""
-        other = s.layer_fwd_flops - s.layer_attn_fwd_flops
-        return forwards * (other / self.bwd + s.layer_attn_fwd_flops / self.attn_bwd) + s.mlp_recompute_flops / self.fwd
+        the backward's two; 2 for a kept graph) less `skipped_flops` of its recompute, at the backward rates, plus a
+        chunked MLP's recompute of its checkpointed chunks (one MLP forward, at the forward rate)."""
+        other = forwards * (s.layer_fwd_flops - s.layer_attn_fwd_flops) - skipped_flops
+        return other / self.bwd + forwards * s.layer_attn_fwd_flops / self.attn_bwd + s.mlp_recompute_flops / self.fwd
 
     def describe(self, hw) -> str:
         line = f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"
@@ -589,7 +591,7 @@ def predict_stream(s: _Shape, sp: Speeds, placement: dict) -> Tuple[Dict[str, fl
     bwd_compute, bwd_h2d, bwd_d2h = 0.0, [0.0] * ranks, [0.0] * ranks
     for u in range(1, s.L + 1):
         kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
-        layer_compute = sp.layer_bwd_s(s, 2 if kept else 3)
+        layer_compute = sp.layer_bwd_s(s, 2) if kept else sp.layer_bwd_s(s, 3, s.recompute_skipped_flops)
         h2d = [0.0] * ranks
         h2d[link[u]] = 0.0 if kept else weights_in(u)
         if not kept and (u % g == 0 or u == first_kept - 1):  # the last layer of its group: regenerate the group

@@ -4,6 +4,8 @@
 - The Triton attention (under the interpreter, fp32: exact dots) gives the layer SDPA's output and gradients to
   fp32 rounding; the chunked MLP gives the unchunked layer's, with chunks that do not divide the token count.
 - Both engines train bit-identically with the Triton attention and a chunked MLP (they share the templates).
+- The streaming engine's recompute (`ModelSpec.layer_grads`) leaves out the down projection's forward and still
+  gives autograd's gradients bit for bit.
 - The planner counts a chunked MLP's memory as one chunk's, not the micro-batch's.
 """
 
@@ -136,3 +138,37 @@ def test_planner_counts_one_chunk_of_mlp_memory():
     cfg.train.mlp_chunk_tokens = 0
     whole_plan = build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False)
     assert chunked_plan.total("gpu") < whole_plan.total("gpu")
+
+
+@pytest.mark.parametrize("family", [[], ["model.model_type=qwen3", "model.qkv_bias=false", "model.qk_norm=true"],
+                                    ["model.model_type=llama", "model.qkv_bias=false"]],
+                         ids=["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_layer_grads_equal_autograd_through_the_whole_layer_without_the_down_projections_forward(family, dtype):
+    """The engine's recompute (`ModelSpec.layer_grads`) stops before the down projection and takes its gradients by
+    hand: bit for bit autograd's through the whole layer (fp32, and bf16 weights under CPU autocast), on 3 x 29
+    tokens, with one matmul forward fewer: 2 * T * D * I FLOPs less than the whole layer's forward + backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    spec = ModelSpec(make_cfg([*SMALL, *family]).model)
+    unit = spec.units[1]
+    params = unit.layout.views(torch.empty(unit.layout.numel))
+    spec.init_unit(unit, params, seed=3)
+    params = {k: (v.to(dtype) if v.dim() == 2 else v).detach().clone().requires_grad_() for k, v in params.items()}
+    gen = torch.Generator().manual_seed(0)
+    B, T, D = 3, 29, spec.arch.hidden
+    x = torch.randn(B, T, D, generator=gen).requires_grad_()
+    dy = torch.randn(B, T, D, generator=gen)
+    rope, names = spec.rope(T, "cpu"), list(params)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        with FlopCounterMode(display=False) as whole_flops:
+            y = spec.layer(params, x, rope, 0)
+            ref = torch.autograd.grad(y, [x] + [params[n] for n in names], grad_outputs=dy)
+        with FlopCounterMode(display=False) as flops:
+            dx, grads = spec.layer_grads(params, x, dy, rope, 0)
+    assert torch.equal(dx, ref[0])
+    for name, g_ref in zip(names, ref[1:]):
+        assert grads[name].dtype == g_ref.dtype and torch.equal(grads[name], g_ref), name
+    assert whole_flops.get_total_flops() - flops.get_total_flops() == 2 * B * T * D * spec.arch.intermediate
+    assert spec.recompute_skipped_flops_per_token(chunked_mlp=False) == 2 * D * spec.arch.intermediate
+    assert spec.recompute_skipped_flops_per_token(chunked_mlp=True) == 0

@@ -127,6 +127,7 @@ class ModelSpec:
         One compiled graph serves every layer (parameters are inputs, not module state); compiling costs about
         a minute on the first step."""
         self._layer_fn = torch.compile(self._layer_fn, dynamic=False)
+        self._layer_to_down_fn = torch.compile(self._layer_to_down_fn, dynamic=False)
         self._loss_chunk_fn = torch.compile(dense.chunk_loss_sum, dynamic=False)
 
     def use_fused_loss(self) -> None:
@@ -141,6 +142,7 @@ class ModelSpec:
 
     compute = dense.LayerCompute()
     _loss_chunk_fn = staticmethod(dense.chunk_loss_sum)
+    _layer_to_down_fn = staticmethod(dense.decoder_layer_to_down_proj)
     fused_loss = False
 
     # Templates, bound to this architecture.
@@ -153,6 +155,31 @@ class ModelSpec:
             return self._layer_fn(p, x_BTD, rope, self.arch, self.compute)
         y, aux, load = self._layer_fn(p, x_BTD, rope, self.arch, self.compute, self.layer_windows[layer])
         return self.router_stats.attach(y, aux, load, layer)
+
+    def recompute_skipped_flops_per_token(self, chunked_mlp: bool) -> int:
+        """Forward FLOPs per token that `layer_grads` leaves out of a layer's recompute: the down projection's for a
+        dense layer with an unchunked MLP, none otherwise."""
+        return 0 if self.moe or chunked_mlp else dense.down_proj_flops_per_token(self.arch)
+
+    def layer_grads(self, p, x_in, dy, rope: Rope, layer: int):
+        """(d x_in, {name: gradient} for every tensor of p) of decoder layer `layer` at x_in (a leaf that requires
+        grad) for the output gradient dy: the forward recomputed with autograd, then back-propagated. A dense layer
+        with an unchunked MLP recomputes up to the down projection only (`dense.decoder_layer_to_down_proj`) and
+        takes that matmul's gradients by hand, equal to autograd's; a chunked MLP's chunks and a MoE layer recompute
+        in full. Call under the run's autocast."""
+        names = list(p)
+        B, T, _ = x_in.shape
+        if not self.recompute_skipped_flops_per_token(dense.mlp_chunked(self.compute.mlp_chunk_tokens, B * T)):
+            grads = torch.autograd.grad(self.layer(p, x_in, rope, layer), [x_in] + [p[n] for n in names],
+                                        grad_outputs=dy)
+            return grads[0], dict(zip(names, grads[1:]))
+        x2, act = self._layer_to_down_fn(p, x_in, rope, self.arch, self.compute)
+        with torch.no_grad():
+            d_act, d_down = dense.down_proj_backward(dy, act, p[dense.DOWN_PROJ])
+        rest = [n for n in names if n != dense.DOWN_PROJ]
+        grads = torch.autograd.grad((x2, act), [x_in] + [p[n] for n in rest], grad_outputs=(dy, d_act))
+        by_name = dict(zip(rest, grads[1:]), **{dense.DOWN_PROJ: d_down})
+        return grads[0], {n: by_name[n] for n in names}
 
     def begin_step(self, step_tokens: int) -> None:
         """Called by the engines at the start of a train step: the MoE balance loss is weighted by the step's

@@ -8,23 +8,23 @@ One step over M micro-batches:
    update(k+1); look-ahead loads of units already updated are queued before compute(k), the others after it.
 2. Head. Final norm + LM head + cross-entropy run forward and backward per micro-batch right away (the loss is the
    end of the graph), giving each micro-batch's residual gradient and the head's parameter gradient.
-3. Backward, layers L..1. Each layer's weights are found still resident (the last `slots` layers of the forward,
-   or every layer when the plan caches weights) or streamed again; each micro-batch's forward is recomputed from its
-   kept input with autograd on and back-propagated with `torch.autograd.grad`. The last `keep_activation_layers`
-   layers skip that recompute: their forward ran with autograd on and kept its graph (which reads the weights in
-   the layer's own slot), so their backward starts from it. With recompute groups (`recompute_group` = g > 1,
-   for contexts whose layer inputs do not fit: 7 GiB per layer for qwen7b at 512K tokens) only every g-th layer
-   input is kept; when the backward reaches a group, the group's forward runs again without autograd from its kept
-   input, layer-major (each layer's weights load once more), and its g inputs stay on the GPU until their layers'
-   backward: s - 1 extra layer forwards per group of s layers, exact (the same ops on the same weights), where
-   keeping inputs in bf16 instead would not be. The layer's gradient accumulates in fp32 on the GPU
-   over micro-batches (bf16 autograd gradients are upcast exactly, as autocast's cast-backward does in the
-   reference); the last micro-batch's accumulation also writes each tensor's sum of squares into the step's buffer
-   (on the GPU from the fused kernel's registers, so no pass of its own reads the gradient again:
-   engine/streaming/gradients.py), and the gradient either stays on the GPU (grads tier gpu) or goes to pinned host
-   memory on the D2H stream (fp32, or rounded to bf16: see below). Then the embedding's backward (a scatter-add, no
-   weights). The head and the embedding take their sums of squares at their last accumulation too (a tied
-   embedding's: the lookup's last micro-batch, after the head's adds).
+3. Backward, layers L..1. Each layer's weights are found still resident (the last `slots` layers of the forward, or
+   every layer when the plan caches weights) or streamed again; each micro-batch's forward is recomputed from its kept
+   input with autograd on and back-propagated with `torch.autograd.grad` (`ModelSpec.layer_grads`: a dense layer's
+   recompute stops before the down projection, whose output no gradient needs). The last `keep_activation_layers` layers
+   skip that recompute: their forward ran with autograd on and kept its graph (which reads the weights in the layer's
+   own slot), so their backward starts from it. With recompute groups (`recompute_group` = g > 1, for contexts whose
+   layer inputs do not fit: 7 GiB per layer for qwen7b at 512K tokens) only every g-th layer input is kept; when the
+   backward reaches a group, the group's forward runs again without autograd from its kept input, layer-major (each
+   layer's weights load once more), and its g inputs stay on the GPU until their layers' backward: s - 1 extra layer
+   forwards per group of s layers, exact (the same ops on the same weights), where keeping inputs in bf16 instead would
+   not be. The layer's gradient accumulates in fp32 on the GPU over micro-batches (bf16 autograd gradients are upcast
+   exactly, as autocast's cast-backward does in the reference); the last micro-batch's accumulation also writes each
+   tensor's sum of squares into the step's buffer (on the GPU from the fused kernel's registers, so no pass of its own
+   reads the gradient again: engine/streaming/gradients.py), and the gradient either stays on the GPU (grads tier gpu)
+   or goes to pinned host memory on the D2H stream (fp32, or rounded to bf16: see below). Then the embedding's backward
+   (a scatter-add, no weights). The head and the embedding take their sums of squares at their last accumulation too (a
+   tied embedding's: the lookup's last micro-batch, after the head's adds).
 4. Optimizer. The global norm (`optim.global_norm` of the sums of squares) needs every gradient, so the host reads it
    once, after the backward (the step's single synchronisation). A non-finite norm skips the update. Otherwise each
    unit is updated in the place the plan gave it (DESIGN.md §4), in forward order: the leading `gpu_resident_units`
@@ -520,15 +520,16 @@ class StreamEngine:
                     self._prefetch_input(unit - 2, 0)
                 if kept:
                     x_in, y, p = self.graphs.pop((unit, m))
+                    names = list(p)
+                    grads = torch.autograd.grad(y, [x_in] + [p[n] for n in names], grad_outputs=dx[m])
+                    dx[m], layer_grads = grads[0], dict(zip(names, grads[1:]))
+                    del y, grads
                 else:
                     x_in = self._layer_input(unit - 1, m).requires_grad_()
                     with autocast_ctx(self.dev.device, self.compute_dtype):
-                        y = spec.layer(p, x_in, self.rope, unit - 1)
-                names = list(p)
-                grads = torch.autograd.grad(y, [x_in] + [p[n] for n in names], grad_outputs=dx[m])
-                dx[m] = grads[0]
-                acc.add(dict(zip(names, grads[1:])), self._sq_norms_out(unit, m == len(dx) - 1))
-                del y, grads, x_in
+                        dx[m], layer_grads = spec.layer_grads(p, x_in, dx[m], self.rope, unit - 1)
+                acc.add(layer_grads, self._sq_norms_out(unit, m == len(dx) - 1))
+                del layer_grads, x_in
             self._release(unit)
             self._load_ahead(order, k, wait=True)
             self._finish_grad(unit, grad_hook)
