@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh formattests capacity14; bash bench/gpu_session.sh capacity32   # issue 18, full depth
 #   bash bench/gpu_session.sh quality # issue 18: qwen0_5b in three state formats side by side, 16.06M tokens each
 #   bash bench/gpu_session.sh qualitypaths # issue 18: fp32 through torch and through the kernel, bf16 + bf16, halves
+#     (QUALITY_FORMATS= a subset, QUALITY_S= the seconds they get)
 #   bash bench/gpu_session.sh context modelsize   # issue 5 (qwen7b, one sequence per step), issue 7 (4 layers each)
 #   bash bench/gpu_session.sh moe; bash bench/gpu_session.sh nvme   # issue 8 (needs H200), issue 7 (qwen14b fp32)
 #   JOB_S=210 bash bench/gpu_session.sh moetests moe20 moe120 moe30   # issue 8 one job a stage (moe120, moe30: H200)
@@ -32,9 +33,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-copy_quality_logs() {  # each quality run's log and metrics, beside the rows
-  mkdir -p "$OUT/quality"; for f in /tmp/quality/*.log; do cp "$f" "$OUT/quality/"; done
-  for d in /tmp/quality/*/; do cp "$d/metrics.jsonl" "$OUT/quality/$(basename "$d").metrics.jsonl"; done
+copy_quality_logs() {  # each quality run's log and metrics in one file (at most 8 files come back from a call)
+  (cd /tmp/quality && tar czf "$OUT/quality.tgz" *.log */metrics.jsonl)
 }
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -109,15 +109,16 @@ for stage in "$@"; do
                   --workdir /tmp/bench --timeout-s 400 2>&1 | tail -4 ;;
     capacity32) timeout 580 python3 bench/bench_engine.py --grid capacity18 --only qwen32b --out "$OUT/engine.jsonl" \
                   --workdir /tmp/bench --timeout-s 560 2>&1 | tail -4 ;;
-    quality1) timeout 585 python3 bench/bench_formats_quality.py --steps 490 --val-every 49 --timeout-s 570 \
+    quality1) timeout 585 python3 bench/bench_formats_quality.py --steps 490 --val-every 49 --timeout-s 530 \
                 --seed 1 --formats fp32 bf16 --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" 2>&1 | tail -5
               copy_quality_logs ;;
-    quality) timeout 585 python3 bench/bench_formats_quality.py --steps 490 --val-every 49 --timeout-s 570 \
+    quality) timeout 585 python3 bench/bench_formats_quality.py --steps 490 --val-every 49 --timeout-s 530 \
                --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" 2>&1 | tail -5
              copy_quality_logs ;;
-    qualitypaths) q=${QUALITY_S:-570}; timeout $((q + 15)) python3 bench/bench_formats_quality.py --steps 490 \
-                    --val-every ${VAL_EVERY:-49} --timeout-s $q --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" \
-                    --formats fp32 fp32_kernel bf16 bf16_master bf16_moments 2>&1 | tail -7
+    qualitypaths) q=${QUALITY_S:-500}  # the bench stops its runs at q s, then waits up to 30 s for them to stop
+                  timeout $((q + 50)) python3 bench/bench_formats_quality.py --steps 490 --val-every ${VAL_EVERY:-49} \
+                    --timeout-s $q --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" \
+                    --formats ${QUALITY_FORMATS:-fp32 fp32_kernel bf16 bf16_master bf16_moments} 2>&1 | tail -7
                   copy_quality_logs ;;  # issue 18: is bf16 + bf16's lower loss the update path or a format's?
     context) timeout 560 python3 bench/bench_engine.py --grid context5 --out "$OUT/engine.jsonl" \
                --workdir /tmp/bench --timeout-s 200 2>&1 | tail -8 ;;
