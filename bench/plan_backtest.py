@@ -27,6 +27,8 @@ from engine.plan import GIB  # noqa: E402
 
 PLACEMENT_KEYS = ("slots", "keep_activation_layers", "recompute_group", "activation_tier", "grads_tier",
                   "cache_weights", "gpu_resident_units", "gpu_streamed_units", "nvme_units")
+
+
 def replan(row: dict):
     """The current planner's MemoryPlan for a measured row, or the reason it cannot be re-planned."""
     from hydra import compose, initialize_config_dir

@@ -161,8 +161,9 @@ class TrainConfig:
 @dataclass
 class LayerFigures:
     """Measured by bench/calibrate.py on the machine (the planner's time model; 0: unknown). TFLOPS count model FLOPs
-    (engine/metrics.py) of one decoder layer's forward, its backward (recompute included: 3x the forward's FLOPs)
-    and the head's forward + backward, with compiled or eager templates. With attention figures (HardwareConfig) the
+    (engine/metrics.py) of one decoder layer's forward, its backward (recompute included: 3x the forward's FLOPs,
+    less the down projection a dense layer's recompute leaves out, `ModelSpec.layer_grads`) and the head's forward +
+    backward, with compiled or eager templates. With attention figures (HardwareConfig) the
     layer figures cover the layer's FLOPs other than attention's (the layer's time less its attention's); without,
     all."""
     fwd_tflops_compiled: float = 0.0

@@ -456,7 +456,8 @@ def width_rates(hw, mode: str, hidden: int) -> Tuple[Tuple[float, float, float],
         return r0, f"layers at the figures of calibrated width {h0} ({m0})"
     t = math.log(hidden / h0) / math.log(h1 / h0)
     rates = tuple(a + t * (b - a) for a, b in zip(r0, r1))
-    return rates, f"layers at rates interpolated for width {hidden} between calibrated widths {h0} ({m0}) and {h1} ({m1})"
+    return rates, (f"layers at rates interpolated for width {hidden} between calibrated widths {h0} ({m0}) and "
+                   f"{h1} ({m1})")
 
 
 def run_attention(spec, cfg, on_gpu: bool) -> str:

@@ -7,7 +7,8 @@ forward, in one pass.
 
 Arithmetic: torch's fused CPU AdamW (`FusedAdamKernel.cpp`, vectorised path), each step one correctly rounded fp32
 operation (equal to torch's to at most 1 ulp: whether torch's build contracts v's update into an fma is up to its
-compiler; with torch 2.13's CPU wheel 4 of 10,007 elements of v differ by 1 ulp, the master and m none): g = grad * clip; p = p * fp32(1 - lr * wd) (fp64 product, as torch's double);
+compiler; with torch 2.13's CPU wheel 4 of 10,007 elements of v differ by 1 ulp, the master and m none):
+g = grad * clip; p = p * fp32(1 - lr * wd) (fp64 product, as torch's double);
 m = fma(w, g - m, m), w = fp32(1 - beta1) (torch's `lerp_`; fma(w - 1, g - m, g) when w >= 0.5);
 v = fma(fp32(1 - beta2) * g, g, v * beta2) (the contraction torch's compiler makes);
 p = p + (fp32(-lr / bc1) * m) / (sqrt(v) / fp32(sqrt(bc2)) + eps), with lr / bc1 in fp64. The kernel uses

@@ -178,8 +178,9 @@ class ModelSpec:
             d_act, d_down = dense.down_proj_backward(dy, act, p[dense.DOWN_PROJ])
         rest = [n for n in names if n != dense.DOWN_PROJ]
         grads = torch.autograd.grad((x2, act), [x_in] + [p[n] for n in rest], grad_outputs=(dy, d_act))
-        by_name = dict(zip(rest, grads[1:]), **{dense.DOWN_PROJ: d_down})
-        return grads[0], {n: by_name[n] for n in names}
+        by_name = dict(zip(rest, grads[1:]))
+        by_name[dense.DOWN_PROJ] = d_down
+        return grads[0], by_name
 
     def begin_step(self, step_tokens: int) -> None:
         """Called by the engines at the start of a train step: the MoE balance loss is weighted by the step's

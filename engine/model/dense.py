@@ -142,15 +142,16 @@ def embed(p: Params, ids_BT: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids_BT, p[EMBED])
 
 
-def _swiglu(x_ND: torch.Tensor, norm_w: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,
-            eps: float) -> torch.Tensor:
+def _down_proj_input(x_ND: torch.Tensor, norm_w: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    """SwiGLU of the normed MLP input: what the down projection multiplies."""
     y = rms_norm(x_ND, norm_w, eps)
     return F.silu(F.linear(y, gate_w)) * F.linear(y, up_w)
 
 
 def _mlp_block(x_ND: torch.Tensor, norm_w: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,
                down_w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x_ND + F.linear(_swiglu(x_ND, norm_w, gate_w, up_w, eps), down_w)
+    return x_ND + F.linear(_down_proj_input(x_ND, norm_w, gate_w, up_w, eps), down_w)
 
 
 def _mlp(p: Params, x_BTD: torch.Tensor, a: DenseArch, chunk_tokens: int) -> torch.Tensor:
@@ -202,8 +203,8 @@ def decoder_layer_to_down_proj(p: Params, x_BTD: torch.Tensor, rope: Rope, a: De
     layer's backward stops here (`down_proj_backward` does the rest): 2*D*I FLOPs per token less, 27% of a qwen7b
     layer's forward (`down_proj_flops_per_token`). An unchunked MLP only (a chunked one checkpoints whole blocks)."""
     x2 = attention_residual(p, x_BTD, rope, a, c)
-    return x2, _swiglu(x2, p["post_attention_layernorm.weight"], p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"],
-                       a.eps)
+    return x2, _down_proj_input(x2, p["post_attention_layernorm.weight"], p["mlp.gate_proj.weight"],
+                                p["mlp.up_proj.weight"], a.eps)
 
 
 def down_proj_flops_per_token(a: DenseArch) -> int:
