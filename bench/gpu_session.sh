@@ -7,7 +7,8 @@
 #   bash bench/gpu_session.sh formattests capacity14; bash bench/gpu_session.sh capacity32   # issue 18, full depth
 #   bash bench/gpu_session.sh quality # issue 18: qwen0_5b in three state formats side by side, 16.06M tokens each
 #   bash bench/gpu_session.sh qualitypaths # issue 18: fp32 through torch and through the kernel, bf16 + bf16, halves
-#     (QUALITY_FORMATS= a subset, QUALITY_S= the seconds they get)
+#     (QUALITY_FORMATS= a subset, QUALITY_S= the seconds they get, QUALITY_SEED= another seed)
+#   bash bench/gpu_session.sh streamtests dettests   # stream == reference on the GPU; train.deterministic repeats
 #   bash bench/gpu_session.sh context modelsize   # issue 5 (qwen7b, one sequence per step), issue 7 (4 layers each)
 #   bash bench/gpu_session.sh moe; bash bench/gpu_session.sh nvme   # issue 8 (needs H200), issue 7 (qwen14b fp32)
 #   JOB_S=210 bash bench/gpu_session.sh moetests moe20 moe120 moe30   # issue 8 one job a stage (moe120, moe30: H200)
@@ -73,6 +74,9 @@ for stage in "$@"; do
                  --out "$OUT/attention.jsonl" 2>&1 | tail -12 ;;
     streamtests) STREAMTRAIN_ATTN_AUTOTUNE=0 timeout 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
                    tests/test_stream_gpu.py > "$OUT/gpu_stream_tests.log" 2>&1; tail -30 "$OUT/gpu_stream_tests.log" ;;
+    dettests) STREAMTRAIN_ATTN_AUTOTUNE=1 timeout 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+                tests/test_deterministic.py tests/kernels/test_attention.py -k deterministic \
+                > "$OUT/gpu_deterministic_tests.log" 2>&1; tail -12 "$OUT/gpu_deterministic_tests.log" ;;
     calibrate) card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00' | tr H h)
                timeout 420 python3 bench/calibrate.py --base conf/hardware/$card.yaml --out "$OUT/$card.yaml" \
                  ${MOE_MODEL:+--moe-model $MOE_MODEL} --width-models "${WIDTH_MODELS-qwen3b,qwen14b,qwen72b}" \
@@ -117,7 +121,7 @@ for stage in "$@"; do
              copy_quality_logs ;;
     qualitypaths) q=${QUALITY_S:-500}  # the bench stops its runs at q s, then waits up to 30 s for them to stop
                   timeout $((q + 50)) python3 bench/bench_formats_quality.py --steps 490 --val-every ${VAL_EVERY:-49} \
-                    --timeout-s $q --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" \
+                    --timeout-s $q --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" --seed ${QUALITY_SEED:-0} \
                     --formats ${QUALITY_FORMATS:-fp32 fp32_kernel bf16 bf16_master bf16_moments} 2>&1 | tail -7
                   copy_quality_logs ;;  # issue 18: is bf16 + bf16's lower loss the update path or a format's?
     context) timeout 560 python3 bench/bench_engine.py --grid context5 --out "$OUT/engine.jsonl" \

@@ -36,6 +36,7 @@ from typing import Any, List, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from engine import formats
+from engine.device import CUBLAS_DETERMINISTIC_WORKSPACES
 
 
 def _conf_dir() -> Path:
@@ -136,6 +137,10 @@ class TrainConfig:
     compute_dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     activation_checkpointing: bool = True  # engine=reference only: the stream engine always recomputes
     compile: str = "auto"  # torch.compile the layer and loss templates: auto (on CUDA) | on | off
+    # bitwise-reproducible GPU runs (engine/device.py `set_deterministic`): torch's deterministic algorithms (an op
+    # that has none stops the run with torch's error naming it) and fixed Triton kernel configs; off: the backward
+    # may accumulate in a different order each run (atomics), so two runs of one seed drift apart at rounding level
+    deterministic: bool = False
     # the LM head + cross-entropy fused in a Triton kernel, no logits recomputed (engine/kernels/cross_entropy.py):
     # auto (on CUDA) | on | off (the chunked torch chain, logits recomputed in the backward)
     fused_loss: str = "auto"
@@ -668,6 +673,12 @@ def _validate_train(cfg: DictConfig) -> None:
     _choice("train.grad_dtype", t.grad_dtype, formats.GRAD_DTYPES)
     _choice("train.grad_transfer_dtype", t.grad_transfer_dtype, ("fp32", "bf16"))
     _choice("train.fp32_update", t.fp32_update, ("torch", "kernel"))
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if t.deterministic and workspace is not None and workspace not in CUBLAS_DETERMINISTIC_WORKSPACES:
+        raise ConfigError(f"train.deterministic=true, but the environment sets CUBLAS_WORKSPACE_CONFIG={workspace!r}, "
+                          f"under which cuBLAS is not reproducible; unset it (the run then sets "
+                          f"{CUBLAS_DETERMINISTIC_WORKSPACES[0]}) or use one of "
+                          f"{', '.join(CUBLAS_DETERMINISTIC_WORKSPACES)}")
     lo, hi = formats.BLOCK_SIZE_RANGE
     if not lo <= t.moments_block_size <= hi or t.moments_block_size & (t.moments_block_size - 1):
         raise ConfigError(f"train.moments_block_size={t.moments_block_size} is not valid; use a power of two in "

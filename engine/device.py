@@ -9,6 +9,7 @@ that the GPU runs, minus the concurrency.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional
 
 import torch
@@ -21,6 +22,24 @@ def resolve_device(name: str) -> torch.device:
                                f"(torch {torch.__version__}); use hardware.device=cpu or auto")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+CUBLAS_DETERMINISTIC_WORKSPACES = (":4096:8", ":16:8")  # the two settings under which cuBLAS is reproducible
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Switch torch's deterministic-algorithms mode for this process (`train.deterministic`). On: every op must use
+    a reproducible algorithm or raise (strict, never a warning: a silently nondeterministic op would defeat the
+    point), inductor picks reduction configs that do not depend on timing, the Triton attention kernel skips its
+    autotuning (engine/kernels/attention.py), and cuBLAS gets a fixed workspace. CUBLAS_WORKSPACE_CONFIG takes effect
+    only if it is set before the process's first cuBLAS call, so call this before any CUDA work."""
+    if enabled:
+        workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACES[0])
+        if workspace not in CUBLAS_DETERMINISTIC_WORKSPACES:  # engine/config.py `validate` refuses this earlier
+            raise ValueError(f"CUBLAS_WORKSPACE_CONFIG={workspace!r} makes cuBLAS irreproducible; valid: "
+                             f"{', '.join(CUBLAS_DETERMINISTIC_WORKSPACES)}")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled)
 
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -48,7 +48,7 @@ from engine import checkpoint, distributed, hardware, optim
 from engine.checkpoint import CheckpointError
 from engine.config import ConfigError, to_plain, validate
 from engine.data import DataError, build_data
-from engine.device import resolve_compute_dtype, resolve_device
+from engine.device import resolve_compute_dtype, resolve_device, set_deterministic
 from engine.metrics import MetricsLogger, gpu_peak_mem_gib, host_peak_rss_gib, run_environment
 from engine.model import ModelSpec
 from engine.model.attention import resolve_attention
@@ -161,6 +161,7 @@ class Trainer:
             self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, on_gpu, check=False)
             self.depth_truncated = depth_truncated(cfg, full_depth_layers, gpu_gib, host_gib, on_gpu)
             return
+        set_deterministic(t.deterministic)  # before any CUDA work: cuBLAS reads its workspace setting once
         self.dp = distributed.init(cfg.hardware.device, t.grad_accum)
         if self.dp.rank > 0:  # rank 0's run dir holds the run's files (engine/distributed.py)
             self.log.echo = False
@@ -218,6 +219,9 @@ class Trainer:
         lc = self.layer_compute
         self.log(f"layers: attention {lc.attention} (train.attention={t.attention}), MLP "
                  + (f"in chunks of {lc.mlp_chunk_tokens} tokens" if lc.mlp_chunk_tokens else "unchunked"))
+        if t.deterministic:
+            self.log("deterministic algorithms on (train.deterministic): CUBLAS_WORKSPACE_CONFIG="
+                     f"{os.environ['CUBLAS_WORKSPACE_CONFIG']}, fixed attention kernel configs")
         torch.manual_seed(cfg.seed)  # and the host RNGs, so that their checkpointed states are reproducible too
         random.seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)

@@ -199,6 +199,7 @@ BAD = {
     "train.activation_checkpointing": ["train.activation_checkpointing=maybe",
                                        "train.activation_checkpointing=false engine=stream"],
     "train.compile": ["train.compile=yes"],
+    "train.deterministic": ["train.deterministic=sometimes"],
     "train.log_every": ["train.log_every=0"],
     "train.val_every": ["train.val_every=-2"],
     "train.val_batches": ["train.val_batches=0"],
@@ -384,6 +385,15 @@ def test_gpu_profile_without_a_gpu_is_refused_unless_planning(monkeypatch):
     assert "torch sees no CUDA device" in message and "hardware=cpu" in message and "hardware=auto" in message
     assert "plan=true" in message
     validate(make_cfg(["hardware=h200", "plan=true"], validated=False))
+
+
+def test_deterministic_refuses_a_cublas_workspace_that_is_not_reproducible(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
+    message = refusal(["train.deterministic=true"])
+    assert "train.deterministic=true" in message and "':4096:2'" in message and ":4096:8, :16:8" in message
+    validate(make_cfg(["train.deterministic=false"], validated=False))
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    validate(make_cfg(["train.deterministic=true"], validated=False))
 
 
 def test_hardware_auto_keeps_the_fields_a_user_or_recipe_set(monkeypatch):

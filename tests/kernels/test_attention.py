@@ -332,6 +332,26 @@ def test_gpu_fp32_and_fp16_small():
         _check_all(q, k, v, s, do, causal=False)
 
 
+def test_deterministic_mode_launches_the_fixed_configs(monkeypatch):
+    """Under torch's deterministic mode (`train.deterministic`) the kernels skip their autotuned variants, whose
+    choice follows timings (and another block shape sums in another order)."""
+    class Tuned:
+        def __getitem__(self, grid):
+            raise AssertionError("the autotuned kernel ran")
+
+    monkeypatch.setattr(A, "_TUNED", {name: Tuned() for name in ("fwd", "dkdv", "dq")})
+    q, k, v, _, do = _inputs(1, 2, 1, 40, 16, bf16)
+    with pytest.raises(AssertionError, match="autotuned"):
+        flash_attention(q, k, v)
+    torch.use_deterministic_algorithms(True)
+    try:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        flash_attention(q, k, v).backward(do)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert q.grad is not None and k.grad is not None
+
+
 @pytest.mark.gpu
 def test_gpu_deterministic_backward():
     q, k, v, s, do = _inputs(1, 32, 8, 4096, 128, bf16, sinks=True, device="cuda")
