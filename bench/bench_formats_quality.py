@@ -43,7 +43,8 @@ def recipe(args) -> list:
             f"train.seq_len={args.seq_len}",
             f"train.micro_batch_size={args.micro_batch_size}", "train.grad_accum=1", f"train.steps={args.steps}",
             f"train.lr={args.lr}", f"train.warmup_steps={args.warmup_steps}", f"train.val_every={args.val_every}",
-            "train.val_batches=8", "train.log_every=10", "logger=none"]
+            "train.val_batches=8", "train.log_every=10", "logger=none",
+            f"train.deterministic={str(args.deterministic).lower()}"]
 
 
 def read_run(run_dir: Path) -> dict:
@@ -131,6 +132,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="runs/quality")
     ap.add_argument("--model", default="qwen0_5b")
     ap.add_argument("--seed", type=int, default=0, help="model init and data order of every run")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="train.deterministic=true: a rerun of a format repeats its curve bit for bit")
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch-size", type=int, default=16)

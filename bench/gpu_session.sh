@@ -7,7 +7,8 @@
 #   bash bench/gpu_session.sh formattests capacity14; bash bench/gpu_session.sh capacity32   # issue 18, full depth
 #   bash bench/gpu_session.sh quality # issue 18: qwen0_5b in three state formats side by side, 16.06M tokens each
 #   bash bench/gpu_session.sh qualitypaths # issue 18: fp32 through torch and through the kernel, bf16 + bf16, halves
-#     (QUALITY_FORMATS= a subset, QUALITY_S= the seconds they get, QUALITY_SEED= another seed)
+#     (QUALITY_FORMATS= a subset, QUALITY_S= the seconds they get, QUALITY_SEED= another seed,
+#     QUALITY_DETERMINISTIC=1 train.deterministic)
 #   bash bench/gpu_session.sh streamtests dettests   # stream == reference on the GPU; train.deterministic repeats
 #   bash bench/gpu_session.sh sweep128k   # issue 7: the model-size sweep's qwen7b and qwen72b at 128K tokens per step
 #     (SWEEP_MODELS= others), where four 72B layers' host AdamW no longer outlasts their forward
@@ -124,6 +125,7 @@ for stage in "$@"; do
     qualitypaths) q=${QUALITY_S:-500}  # the bench stops its runs at q s, then waits up to 30 s for them to stop
                   timeout $((q + 50)) python3 bench/bench_formats_quality.py --steps 490 --val-every ${VAL_EVERY:-49} \
                     --timeout-s $q --workdir /tmp/quality --out "$OUT/formats_quality.jsonl" --seed ${QUALITY_SEED:-0} \
+                    ${QUALITY_DETERMINISTIC:+--deterministic} \
                     --formats ${QUALITY_FORMATS:-fp32 fp32_kernel bf16 bf16_master bf16_moments} 2>&1 | tail -7
                   copy_quality_logs ;;  # issue 18: is bf16 + bf16's lower loss the update path or a format's?
     context) timeout 560 python3 bench/bench_engine.py --grid context5 --out "$OUT/engine.jsonl" \
