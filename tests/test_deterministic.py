@@ -30,7 +30,8 @@ def restore_mode():
 
 
 def test_the_run_switches_the_mode_and_says_so(tmp_path, restore_mode, monkeypatch):
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # so that teardown restores the variable as it was
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     Trainer(make_cfg([*QUICK, "train.deterministic=true"]), tmp_path).run()
     assert torch.are_deterministic_algorithms_enabled()
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
