@@ -11,7 +11,8 @@
 #     QUALITY_DETERMINISTIC=1 train.deterministic)
 #   bash bench/gpu_session.sh streamtests dettests   # stream == reference on the GPU; train.deterministic repeats
 #   bash bench/gpu_session.sh sweep128k   # issue 7: the model-size sweep's qwen7b and qwen72b at 128K tokens per step
-#     (SWEEP_MODELS= others), where four 72B layers' host AdamW no longer outlasts their forward
+#     (SWEEP_MODELS= others, SWEEP_S= its time limit), where four 72B layers' host AdamW no longer outlasts their
+#     forward
 #   bash bench/gpu_session.sh context modelsize   # issue 5 (qwen7b, one sequence per step), issue 7 (4 layers each)
 #   bash bench/gpu_session.sh moe; bash bench/gpu_session.sh nvme   # issue 8 (needs H200), issue 7 (qwen14b fp32)
 #   JOB_S=210 bash bench/gpu_session.sh moetests moe20 moe120 moe30   # issue 8 one job a stage (moe120, moe30: H200)
@@ -179,12 +180,14 @@ for stage in "$@"; do
                python3 -m engine.report /tmp/msweep --x published_params --png "$OUT/model_size.png" \
                  --jsonl "$OUT/model_size.jsonl" 2>&1 | tail -8
                (cd /tmp/msweep && tar czf "$OUT/model_size_logs.tgz" */train.log */summary.json */metrics.jsonl) ;;
-    sweep128k) timeout 480 python3 train.py +sweep=model_size model=${SWEEP_MODELS:-qwen7b,qwen72b} train.grad_accum=32 \
-                 logger=none hydra.sweep.dir=/tmp/msweep128 train.steps=3 > "$OUT/model_size_128k.log" 2>&1
+    sweep128k) timeout ${SWEEP_S:-480} python3 train.py +sweep=model_size model=${SWEEP_MODELS:-qwen7b,qwen72b} \
+                 train.grad_accum=32 logger=none hydra.sweep.dir=/tmp/msweep128 train.steps=3 \
+                 > "$OUT/model_size_128k.log" 2>&1
                tail -4 "$OUT/model_size_128k.log"
                python3 -m engine.report /tmp/msweep128 --x published_params --png "$OUT/model_size_128k.png" \
                  --jsonl "$OUT/model_size_128k.jsonl" 2>&1 | tail -8
-               (cd /tmp/msweep128 && tar czf "$OUT/model_size_128k_logs.tgz" */train.log */summary.json */metrics.jsonl) ;;
+               (cd /tmp/msweep128 && tar czf "$OUT/model_size_128k_logs.tgz" */train.log */summary.json \
+                  */metrics.jsonl) ;;
     peers) timeout 200 python3 bench/peers/all_on_gpu.py --model qwen7b --micro-batch-size 2 --grad-accum 8 \
              --out "$OUT/peers.jsonl" 2>&1 | tail -3 ;;
   esac
