@@ -36,6 +36,13 @@ class Unit:
         return f"layer{self.layer}" if self.kind == "layer" else self.kind
 
 
+def backprop(y: torch.Tensor, x_in: torch.Tensor, p: Dict[str, torch.Tensor], dy: torch.Tensor):
+    """(d x_in, {name: gradient} for every tensor of p) of an output y computed with autograd from x_in and p."""
+    names = list(p)
+    grads = torch.autograd.grad(y, [x_in] + [p[n] for n in names], grad_outputs=dy)
+    return grads[0], dict(zip(names, grads[1:]))
+
+
 class ModelSpec:
     def __init__(self, model_cfg):
         m = model_cfg
@@ -156,10 +163,15 @@ class ModelSpec:
         y, aux, load = self._layer_fn(p, x_BTD, rope, self.arch, self.compute, self.layer_windows[layer])
         return self.router_stats.attach(y, aux, load, layer)
 
+    def recompute_stops_before_down_proj(self, chunked_mlp: bool) -> bool:
+        """Whether `layer_grads` leaves the down projection out of a layer's recompute: a dense layer with an
+        unchunked MLP (a chunked one checkpoints whole MLP blocks; a MoE layer's routing weights need the expert
+        outputs)."""
+        return not (self.moe or chunked_mlp)
+
     def recompute_skipped_flops_per_token(self, chunked_mlp: bool) -> int:
-        """Forward FLOPs per token that `layer_grads` leaves out of a layer's recompute: the down projection's for a
-        dense layer with an unchunked MLP, none otherwise."""
-        return 0 if self.moe or chunked_mlp else dense.down_proj_flops_per_token(self.arch)
+        """Forward FLOPs per token that `layer_grads` leaves out of a layer's recompute."""
+        return dense.down_proj_flops_per_token(self.arch) if self.recompute_stops_before_down_proj(chunked_mlp) else 0
 
     def layer_grads(self, p, x_in, dy, rope: Rope, layer: int):
         """(d x_in, {name: gradient} for every tensor of p) of decoder layer `layer` at x_in (a leaf that requires
@@ -167,20 +179,16 @@ class ModelSpec:
         with an unchunked MLP recomputes up to the down projection only (`dense.decoder_layer_to_down_proj`) and
         takes that matmul's gradients by hand, equal to autograd's; a chunked MLP's chunks and a MoE layer recompute
         in full. Call under the run's autocast."""
-        names = list(p)
         B, T, _ = x_in.shape
-        if not self.recompute_skipped_flops_per_token(dense.mlp_chunked(self.compute.mlp_chunk_tokens, B * T)):
-            grads = torch.autograd.grad(self.layer(p, x_in, rope, layer), [x_in] + [p[n] for n in names],
-                                        grad_outputs=dy)
-            return grads[0], dict(zip(names, grads[1:]))
+        if not self.recompute_stops_before_down_proj(dense.mlp_chunked(self.compute.mlp_chunk_tokens, B * T)):
+            return backprop(self.layer(p, x_in, rope, layer), x_in, p, dy)
         x2, act = self._layer_to_down_fn(p, x_in, rope, self.arch, self.compute)
         with torch.no_grad():
             d_act, d_down = dense.down_proj_backward(dy, act, p[dense.DOWN_PROJ])
-        rest = [n for n in names if n != dense.DOWN_PROJ]
-        grads = torch.autograd.grad((x2, act), [x_in] + [p[n] for n in rest], grad_outputs=(dy, d_act))
-        by_name = dict(zip(rest, grads[1:]))
+        rest = {n: t for n, t in p.items() if n != dense.DOWN_PROJ}
+        dx, by_name = backprop((x2, act), x_in, rest, (dy, d_act))
         by_name[dense.DOWN_PROJ] = d_down
-        return grads[0], by_name
+        return dx, by_name
 
     def begin_step(self, step_tokens: int) -> None:
         """Called by the engines at the start of a train step: the MoE balance loss is weighted by the step's

@@ -90,7 +90,7 @@ from engine.distributed import SINGLE, DataParallel, state_owners
 from engine.device import Device, autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
 from engine.kernels.grad_accum import to_bf16_stochastic
-from engine.model import ModelSpec
+from engine.model import ModelSpec, backprop
 from engine.plan import kept_layer_inputs
 from engine.optim import FlatAdamW
 from engine.streaming.activations import ActivationStore
@@ -520,10 +520,8 @@ class StreamEngine:
                     self._prefetch_input(unit - 2, 0)
                 if kept:
                     x_in, y, p = self.graphs.pop((unit, m))
-                    names = list(p)
-                    grads = torch.autograd.grad(y, [x_in] + [p[n] for n in names], grad_outputs=dx[m])
-                    dx[m], layer_grads = grads[0], dict(zip(names, grads[1:]))
-                    del y, grads
+                    dx[m], layer_grads = backprop(y, x_in, p, dx[m])
+                    del y
                 else:
                     x_in = self._layer_input(unit - 1, m).requires_grad_()
                     with autocast_ctx(self.dev.device, self.compute_dtype):
