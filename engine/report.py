@@ -233,7 +233,9 @@ def plot(rows: List[dict], x_key: str, png: Path, title: str) -> None:
     mem.set_ylabel("GiB")
     lines = ax.get_legend_handles_labels()
     more = mem.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="lower left")
+    # below the axes: inside them the legend hid points (e.g. the 7B layer figure of a two-model sweep)
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14),
+              ncol=3)
     ax.grid(alpha=0.3)
     ax.set_title(title)
     png.parent.mkdir(parents=True, exist_ok=True)
