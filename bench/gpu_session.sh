@@ -10,6 +10,7 @@
 #     (QUALITY_FORMATS= a subset, QUALITY_S= the seconds they get, QUALITY_SEED= another seed,
 #     QUALITY_DETERMINISTIC=1 train.deterministic)
 #   bash bench/gpu_session.sh streamtests dettests   # stream == reference on the GPU; train.deterministic repeats
+#   bash bench/gpu_session.sh workertests   # train.compile_in_process: no compile workers, their memory measured
 #   bash bench/gpu_session.sh sweep128k   # issue 7: the model-size sweep's qwen7b and qwen72b at 128K tokens per step
 #     (SWEEP_MODELS= others, SWEEP_S= its time limit), where four 72B layers' host AdamW no longer outlasts their
 #     forward
@@ -81,6 +82,8 @@ for stage in "$@"; do
     dettests) STREAMTRAIN_ATTN_AUTOTUNE=1 timeout 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
                 tests/test_deterministic.py tests/kernels/test_attention.py -k deterministic \
                 > "$OUT/gpu_deterministic_tests.log" 2>&1; tail -12 "$OUT/gpu_deterministic_tests.log" ;;
+    workertests) timeout 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider tests/test_compile_workers.py \
+                   > "$OUT/gpu_compile_workers_tests.log" 2>&1; tail -6 "$OUT/gpu_compile_workers_tests.log" ;;
     calibrate) card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00' | tr H h)
                timeout 420 python3 bench/calibrate.py --base conf/hardware/$card.yaml --out "$OUT/$card.yaml" \
                  ${MOE_MODEL:+--moe-model $MOE_MODEL} --width-models "${WIDTH_MODELS-qwen3b,qwen14b,qwen72b}" \

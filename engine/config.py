@@ -137,6 +137,10 @@ class TrainConfig:
     compute_dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     activation_checkpointing: bool = True  # engine=reference only: the stream engine always recomputes
     compile: str = "auto"  # torch.compile the layer and loss templates: auto (on CUDA) | on | off
+    # compiled templates: Inductor builds their kernels in this process, one after another, instead of in its pool of
+    # worker processes (min(32, cores) of them, ~0.48 GiB of host each: 7.4-7.7 GiB on the 16-core benchmark machine,
+    # `hardware.host_compile_workers_gib`, which the plan then leaves to the state); costs a slower first step
+    compile_in_process: bool = False
     # bitwise-reproducible GPU runs (engine/device.py `set_deterministic`): torch's deterministic algorithms (an op
     # that has none stops the run with torch's error naming it) and fixed Triton kernel configs; off: the backward
     # may accumulate in a different order each run (atomics), so two runs of one seed drift apart at rounding level

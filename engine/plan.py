@@ -54,7 +54,8 @@ stream, the D2H stream, the host AdamW and compute (see `predict_stream`); `expo
 beyond its compute. Activation working-set figures are estimates (bytes per token per layer, from the tensors
 autograd keeps in `decoder_layer`); `margin_gib` covers allocator fragmentation and the CUDA context on the GPU;
 `hardware.host_process_gib` (calibrated) is the process's own host memory before any state, less
-`hardware.host_compile_workers_gib` (torch.compile's worker processes) for a run without compiled templates.
+`hardware.host_compile_workers_gib` (torch.compile's worker processes) for a run that starts none (eager templates,
+or `train.compile_in_process`); a refusal says when the plan would fit without them.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
+
+from omegaconf import OmegaConf
 
 from engine.config import ConfigError
 from engine.distributed import state_owners
@@ -239,9 +242,29 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
         _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt, state_ranks)
     if plan.problem():
         plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, on_gpu, fmt)
+        plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, on_gpu, state_ranks))
     if check and plan.problem():
         raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
     return plan
+
+
+def in_process_compile_fits(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, state_ranks: int) -> List[str]:
+    """For a refusal of a run that would start Inductor's compile workers: a note when the plan fits without them
+    (`train.compile_in_process=true`), else nothing."""
+    if not compile_workers_on(cfg, on_gpu) or not cfg.hardware.host_compile_workers_gib:
+        return []
+    alt = OmegaConf.merge(cfg, {"train": {"compile_in_process": True}})
+    fmt = StateFormat.of(alt.train)
+    try:
+        plan = _reference(spec, alt, gpu_gib, host_gib, on_gpu, fmt) if alt.engine.name == "reference" else \
+            _stream(spec, alt, gpu_gib, host_gib, on_gpu, fmt, state_ranks)
+    except PlanError:
+        return []
+    if plan.problem():
+        return []
+    return [f"With train.compile_in_process=true (the compiled kernels built in this process, no worker pool: "
+            f"{cfg.hardware.host_compile_workers_gib:.1f} GiB less host) it fits: host {plan.total('host') / GIB:.1f} "
+            f"GiB, GPU {plan.total('gpu') / GIB:.1f} GiB."]
 
 
 def formats_that_fit(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, current: StateFormat,
@@ -286,6 +309,7 @@ class _Shape:
         fused = fused_loss_on(cfg, on_gpu)
         # a layer's working set and the head's are live in different phases of the step: the larger one counts
         self.compiled = runs_compiled(cfg, on_gpu)
+        self.compile_workers = compile_workers_on(cfg, on_gpu)
         self.mlp_chunk_tokens = resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, self.mb_tokens)
         self.attention = run_attention(spec, cfg, on_gpu)
         self.act = max(layer_working_bytes(spec, self.mb_tokens, self.compute_bytes, self.compiled,
@@ -355,7 +379,7 @@ def _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat) -> Memory
              (s.L if t.activation_checkpointing else 0) * 4 * s.h * s.mb_tokens)
     plan.add(tier, "working activations (one layer, or the loss chunk)",
              s.act * (1 if t.activation_checkpointing else s.L))
-    add_process_row(plan, hw, s.compiled)
+    add_process_row(plan, hw, s.compile_workers)
     sp = Speeds(hw, runs_compiled(cfg, on_gpu), s.attention, spec.moe, spec.arch.hidden)
     if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0
@@ -470,18 +494,25 @@ def run_attention(spec, cfg, on_gpu: bool) -> str:
         return cfg.train.attention
 
 
-def process_host_bytes(hw, compiled: bool) -> int:
+def process_host_bytes(hw, compile_workers: bool) -> int:
     """The training process's host memory before any state: the calibrated figure, without torch.compile's worker
-    processes when the run has no compiled templates (on an H100 host they are 7.3-7.7 of its 9-10 GiB)."""
-    return int(max(0.0, hw.host_process_gib - (0.0 if compiled else hw.host_compile_workers_gib)) * GIB)
+    processes when the run starts none (no compiled templates, or `train.compile_in_process`; on an H100 host they
+    are 7.3-7.7 of its 9-10 GiB)."""
+    return int(max(0.0, hw.host_process_gib - (0.0 if compile_workers else hw.host_compile_workers_gib)) * GIB)
 
 
-def add_process_row(plan: MemoryPlan, hw, compiled: bool) -> int:
+def add_process_row(plan: MemoryPlan, hw, compile_workers: bool) -> int:
     """The host row of the process itself (none when the profile has no figure); returns its bytes."""
-    nbytes = process_host_bytes(hw, compiled)
+    nbytes = process_host_bytes(hw, compile_workers)
     if nbytes:
-        plan.add("host", "this process: torch, CUDA context, compiled kernels (calibrated)", nbytes)
+        workers = "" if compile_workers else ", no compile workers"
+        plan.add("host", f"this process: torch, CUDA context, compiled kernels (calibrated{workers})", nbytes)
     return nbytes
+
+
+def compile_workers_on(cfg, on_gpu: bool) -> bool:
+    """Whether the run starts Inductor's compile worker pool: compiled templates, not built in this process."""
+    return runs_compiled(cfg, on_gpu) and not cfg.train.compile_in_process
 
 
 def runs_compiled(cfg, on_gpu: bool) -> bool:
@@ -801,7 +832,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks:
                      ring_bytes + s.own_slot_bytes(n_res))
         if on_gpu:
             plan.reserve("gpu", "allocator margin + CUDA context (reserved, not allocated)", int(margin_gib * GIB))
-        process_bytes = add_process_row(plan, hw, s.compiled)
+        process_bytes = add_process_row(plan, hw, s.compile_workers)
         # start-up: the host masters are written while the other host buffers are not yet touched, but with a
         # low-precision master each unit being initialised also holds an fp32 copy (HostStore); the plan's host
         # figure is the larger of the two
@@ -922,7 +953,7 @@ def _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt: StateFormat, state_ranks:
         # the shared accumulators), whichever tier holds them
         # the most host memory the NVMe tier could take over: every unit's moments, within its disk budget
         nvme_room = min(hw.nvme_gib * GIB, sum(moment_bytes)) if nvme_on else 0
-        held_anyway = process_host_bytes(hw, s.compiled) + sum(state_bytes) - nvme_room + fmt.grad_bytes(
+        held_anyway = process_host_bytes(hw, s.compile_workers) + sum(state_bytes) - nvme_room + fmt.grad_bytes(
             sum(lay.numel for lay in layouts[1:-1]) - min(2, L) * s.layer_numel)
 
         def may_fit(g: int) -> bool:

@@ -68,7 +68,7 @@ def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute
                  dp: distributed.DataParallel = distributed.SINGLE):
     spec.set_layer_compute(layer_compute(spec, cfg, device))
     if runs_compiled(cfg, device.type == "cuda"):
-        spec.compile_templates()
+        spec.compile_templates(cfg.train.compile_in_process)
     if fused_loss_on(cfg, device.type == "cuda"):
         spec.use_fused_loss()
     if cfg.engine.name == "reference":
@@ -222,6 +222,10 @@ class Trainer:
         if t.deterministic:
             self.log("deterministic algorithms on (train.deterministic): CUBLAS_WORKSPACE_CONFIG="
                      f"{os.environ['CUBLAS_WORKSPACE_CONFIG']}, fixed attention kernel configs")
+        if t.compile_in_process:
+            self.log("torch.compile: kernels built in this process, no compile workers (train.compile_in_process)"
+                     if runs_compiled(cfg, self.device.type == "cuda") else
+                     "train.compile_in_process=true has nothing to do: the templates run eager")
         torch.manual_seed(cfg.seed)  # and the host RNGs, so that their checkpointed states are reproducible too
         random.seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)

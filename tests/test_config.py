@@ -200,6 +200,7 @@ BAD = {
                                        "train.activation_checkpointing=false engine=stream"],
     "train.compile": ["train.compile=yes"],
     "train.deterministic": ["train.deterministic=sometimes"],
+    "train.compile_in_process": ["train.compile_in_process=maybe"],
     "train.log_every": ["train.log_every=0"],
     "train.val_every": ["train.val_every=-2"],
     "train.val_batches": ["train.val_batches=0"],

@@ -128,11 +128,23 @@ class ModelSpec:
             else:
                 t.copy_(torch.empty(t.shape).normal_(0.0, self.cfg.init_std, generator=gen))
 
-    def compile_templates(self) -> None:
+    def compile_templates(self, in_process: bool = False) -> None:
         """torch.compile the decoder layer and the loss chunk: fuses the elementwise work around the matmuls
         (RMSNorm, RoPE, SwiGLU, residual adds, the fp32 cross-entropy), about a fifth of an eager layer's time.
         One compiled graph serves every layer (parameters are inputs, not module state); compiling costs about
-        a minute on the first step."""
+        a minute on the first step.
+
+        `in_process` (`train.compile_in_process`): Inductor builds the kernels in this process, serially, and starts
+        no worker pool (whose host memory every other compiled plan reserves); a pool that an earlier run in this
+        process started (a Hydra multirun) is shut down. Otherwise Inductor's own worker count applies."""
+        from torch._inductor import async_compile
+        from torch._inductor import config as inductor_config
+
+        if in_process:
+            inductor_config.compile_threads = 1
+            async_compile.shutdown_compile_workers()
+        else:
+            inductor_config.compile_threads = inductor_config.decide_compile_threads()
         self._layer_fn = torch.compile(self._layer_fn, dynamic=False)
         self._layer_to_down_fn = torch.compile(self._layer_to_down_fn, dynamic=False)
         self._loss_chunk_fn = torch.compile(dense.chunk_loss_sum, dynamic=False)
