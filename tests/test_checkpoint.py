@@ -25,10 +25,10 @@ RECIPE = [*SMALL, "data=synthetic", "train.seq_len=24", "train.micro_batch_size=
           "train.val_batches=2"]
 
 
-def train_cli(run_dir: Path, *args, check=True, timeout=240, hardware="cpu"):
+def train_cli(run_dir: Path, *args, check=True, timeout=240, hardware="cpu", env=None):
     out = subprocess.run([sys.executable, "train.py", "logger=none", f"hardware={hardware}", *RECIPE, *args,
                           f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "WANDB_MODE": "disabled"})
+                         env={**os.environ, "WANDB_MODE": "disabled", **(env or {})})
     if check:
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
