@@ -17,6 +17,7 @@
 #   bash bench/gpu_session.sh context modelsize   # issue 5 (qwen7b, one sequence per step), issue 7 (4 layers each)
 #   bash bench/gpu_session.sh moe; bash bench/gpu_session.sh nvme   # issue 8 (needs H200), issue 7 (qwen14b fp32)
 #   JOB_S=210 bash bench/gpu_session.sh moetests moe20 moe120 moe30   # issue 8 one job a stage (moe120, moe30: H200)
+#   NVME_S=520 bash bench/gpu_session.sh nvmerun   # issue 7: the qwen14b fp32 NVMe job alone (H200), records back
 #   bash bench/gpu_session.sh nvmeab   # issue 7: qwen7b fp32 with the moments of 0 and 4 layers on disk (H100 too)
 #   bash bench/gpu_session.sh attnab   # issue 5: Triton vs SDPA in the compiled qwen7b layer at 32K
 #   bash bench/gpu_session.sh dptests dp9   # issue 9, on a multi-GPU kind: 2 GPUs == 1 (NCCL), then 1..8 GPUs
@@ -174,6 +175,11 @@ for stage in "$@"; do
             | tail -3
           timeout 440 python3 bench/bench_engine.py --grid nvme7 --out "$OUT/engine.jsonl" --workdir /tmp/bench \
             --timeout-s 420 2>&1 | tail -4 ;;
+    nvmerun) mkdir -p /tmp/nvme /tmp/bench  # the qwen14b job alone, its run dir's records back (NVME_S: time limit)
+             timeout ${NVME_S:-520} python3 train.py +experiment=qwen14b_fp32_nvme_h200 hardware.nvme_dir=/tmp/nvme \
+               data=stdlib train.steps=3 logger=none hydra.run.dir=/tmp/bench/qwen14b-nvme > "$OUT/qwen14b_nvme.log" 2>&1
+             tail -12 "$OUT/qwen14b_nvme.log"
+             cp /tmp/bench/qwen14b-nvme/metrics.jsonl /tmp/bench/qwen14b-nvme/summary.json "$OUT/" 2>/dev/null ;;
     nvmeab) mkdir -p /tmp/nvme; timeout 120 python3 bench/bench_nvme.py --dir /tmp/nvme --out "$OUT/nvme.jsonl" 2>&1 \
               | tail -3
             timeout 440 python3 bench/bench_engine.py --grid nvme7ab --out "$OUT/engine.jsonl" --workdir /tmp/bench \
