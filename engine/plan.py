@@ -238,8 +238,7 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
     """`state_ranks`: the data-parallel ranks the stream engine's host state is sharded over (engine/distributed.py);
     the host rows are those of the rank holding the most."""
     fmt = StateFormat.of(cfg.train)
-    plan = _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt) if cfg.engine.name == "reference" else \
-        _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt, state_ranks)
+    plan = _engine_plan(spec, cfg, gpu_gib, host_gib, on_gpu, state_ranks)
     if plan.problem():
         plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, on_gpu, fmt)
         plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, on_gpu, state_ranks))
@@ -248,16 +247,22 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
     return plan
 
 
+def _engine_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, state_ranks: int) -> MemoryPlan:
+    """The unchecked plan of `cfg.engine` in the config's state format."""
+    fmt = StateFormat.of(cfg.train)
+    if cfg.engine.name == "reference":
+        return _reference(spec, cfg, gpu_gib, host_gib, on_gpu, fmt)
+    return _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt, state_ranks)
+
+
 def in_process_compile_fits(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, state_ranks: int) -> List[str]:
     """For a refusal of a run that would start Inductor's compile workers: a note when the plan fits without them
     (`train.compile_in_process=true`), else nothing."""
     if not compile_workers_on(cfg, on_gpu) or not cfg.hardware.host_compile_workers_gib:
         return []
-    alt = OmegaConf.merge(cfg, {"train": {"compile_in_process": True}})
-    fmt = StateFormat.of(alt.train)
     try:
-        plan = _reference(spec, alt, gpu_gib, host_gib, on_gpu, fmt) if alt.engine.name == "reference" else \
-            _stream(spec, alt, gpu_gib, host_gib, on_gpu, fmt, state_ranks)
+        plan = _engine_plan(spec, OmegaConf.merge(cfg, {"train": {"compile_in_process": True}}), gpu_gib, host_gib,
+                            on_gpu, state_ranks)
     except PlanError:
         return []
     if plan.problem():

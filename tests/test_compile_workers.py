@@ -6,10 +6,6 @@ On the CPU the switch and the plan are checked (Inductor's CPU backend starts no
 not observable); the GPU test runs both ways in fresh processes and reads the workers' memory from the run's
 metrics (`host_children_mem_gib`)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +13,7 @@ from torch._inductor import config as inductor_config
 
 from engine.model import ModelSpec
 from engine.plan import GIB, PlanError, build_plan
-from tests.util import make_cfg
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.util import make_cfg, train_records
 
 
 def test_in_process_sets_one_compile_thread_and_the_default_comes_back():
@@ -68,10 +62,7 @@ GPU_RUN = ["hardware=auto", "logger=none", "engine=stream", "train.compile=on", 
 
 
 def _children_gib(run_dir: Path, *args) -> float:
-    out = subprocess.run([sys.executable, "train.py", *GPU_RUN, *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=400, env={**os.environ, "WANDB_MODE": "offline"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = train_records(run_dir, *GPU_RUN, *args)
     return max(r["host_children_mem_gib"] for r in records if "host_children_mem_gib" in r)
 
 

@@ -6,19 +6,15 @@ On the CPU every op is reproducible anyway, so the CPU test checks the switch it
 two processes, each training a model whose heads take SDPA's flash path, must log the same losses and gradient norms,
 for both engines."""
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.trainer import Trainer
-from tests.util import make_cfg
+from tests.util import make_cfg, train_records
 
-ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["model.num_hidden_layers=1", "train.steps=2", "train.micro_batch_size=2", "train.seq_len=32",
          "train.val_every=0", "train.val_batches=1", "train.warmup_steps=1"]
 
@@ -47,12 +43,9 @@ GPU_RECIPE = ["train.steps=4", "train.seq_len=1024", "train.micro_batch_size=4",
               "train.val_every=0", "train.val_batches=1", "train.warmup_steps=1", "train.lr=1e-3"]
 
 
-def _train_records(run_dir: Path, *args) -> list:
-    out = subprocess.run([sys.executable, "train.py", "hardware=auto", "logger=none", "train.deterministic=true",
-                          *GPU_MODEL, *GPU_RECIPE, *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=400, env={**os.environ, "WANDB_MODE": "offline"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _losses_and_norms(run_dir: Path, *args) -> list:
+    records = train_records(run_dir, "hardware=auto", "logger=none", "train.deterministic=true", *GPU_MODEL,
+                            *GPU_RECIPE, *args)
     return [(r["step"], r["loss"], r["grad_norm"]) for r in records if "loss" in r]
 
 
@@ -60,7 +53,7 @@ def _train_records(run_dir: Path, *args) -> list:
 @pytest.mark.parametrize("engine, compile_mode", [("stream", "off"), ("reference", "on")])
 def test_gpu_deterministic_runs_repeat_bit_for_bit(tmp_path, engine, compile_mode):
     args = (f"engine={engine}", f"train.compile={compile_mode}")
-    first = _train_records(tmp_path / "a", *args)
-    second = _train_records(tmp_path / "b", *args)
+    first = _losses_and_norms(tmp_path / "a", *args)
+    second = _losses_and_norms(tmp_path / "b", *args)
     print(f"engine={engine} compile={compile_mode}: {first}")
     assert len(first) == 4 and first == second

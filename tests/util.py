@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from hydra import compose, initialize_config_dir
 
 from engine import config, hardware
 from engine.config import register, validate
 
 CONF_DIR = str(config.CONF_DIR)
+ROOT = Path(__file__).resolve().parent.parent
 register()
 
 # A model small enough for many engine steps on 2 cores, with sizes that are not powers of two.
@@ -22,3 +29,12 @@ def make_cfg(overrides=(), validated=True):
     if validated:
         validate(cfg)
     return cfg
+
+
+def train_records(run_dir: Path, *args, timeout: int = 400) -> list:
+    """Run `python train.py *args` in a fresh process (run dir `run_dir`, W&B offline), require a clean exit, and
+    return its metrics.jsonl records."""
+    out = subprocess.run([sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout, env={**os.environ, "WANDB_MODE": "offline"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
