@@ -1,4 +1,4 @@
-"""Time variants of engine/kernels/adamw_update.py side by side in one process: patched copies of the module.
+"""Time variants of streamtrain_kernels/adamw_update.py side by side in one process: patched copies of the module.
 
     python bench/ablate_adamw_update.py --out bench/results/adamw_ablation.jsonl
     python bench/ablate_adamw_update.py --variants shipped,no_register_cap --base-tree /tmp/base --out ...
@@ -58,7 +58,7 @@ def variant_sources(names, base_tree: Path | None) -> dict:
     if base_tree is not None:
         base = base_tree / "engine" / "kernels" / "adamw_update.py"
         if not base.exists():
-            raise SystemExit(f"ablate_adamw_update: --base-tree {base_tree} has no engine/kernels/adamw_update.py")
+            raise SystemExit(f"ablate_adamw_update: --base-tree {base_tree} has no streamtrain_kernels/adamw_update.py")
         out["base"] = (f"the kernel of {base_tree}", base.read_text())
     return out
 
@@ -85,7 +85,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"ablate_adamw_update: unknown format(s) {bad}; choose from {FORMATS}")
     sources = variant_sources(args.variants.split(","), args.base_tree)
     torch, _ = require_gpu("ablate_adamw_update")
-    from engine.kernels.adamw_update import layout_segments
+    from streamtrain_kernels.adamw_update import layout_segments
     from engine.metrics import run_environment
 
     layout = layer_layout(args.model)

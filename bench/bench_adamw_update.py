@@ -1,4 +1,4 @@
-"""Benchmark engine/kernels/adamw_update.py, every state format, at the decoder-layer sizes of qwen7b/32b/72b.
+"""Benchmark streamtrain_kernels/adamw_update.py, every state format, at the decoder-layer sizes of qwen7b/32b/72b.
 
     python bench/bench_adamw_update.py --out bench/results/adamw_update.jsonl
     python bench/bench_adamw_update.py --out bench/results/adamw_update_sweep.jsonl --sweep   # other TILE / warps
@@ -98,8 +98,8 @@ def step_fn(fn, st: dict, segments, lr, clip, step: int = 1):
 
 def matches_reference(torch, st_kernel: dict, st_before: dict, segments, lr, clip) -> bool:
     """One step of kernel and reference on the first CHECK_NUMEL elements (a prefix of whole int8 blocks)."""
-    import engine.kernels.adamw_update as A
-    from engine.kernels.reference import adamw_update_reference
+    import streamtrain_kernels.adamw_update as A
+    from streamtrain_kernels.reference import adamw_update_reference
 
     n = min(CHECK_NUMEL, st_before["master"].numel())
     n_blocks = -(-n // BLOCK_SIZE)
@@ -124,7 +124,7 @@ def matches_reference(torch, st_kernel: dict, st_before: dict, segments, lr, cli
 
 
 def bench_unit(torch, name: str, numel: int, segments, device: str, info: dict, configs) -> list:
-    import engine.kernels.adamw_update as A
+    import streamtrain_kernels.adamw_update as A
 
     time_ms = timer(device)
     lr = torch.tensor(1e-4, device=device)
@@ -193,7 +193,7 @@ def main() -> None:
     else:
         torch, _ = require_gpu("bench_adamw_update")
         device = "cuda"
-    import engine.kernels.adamw_update as A
+    import streamtrain_kernels.adamw_update as A
     from engine.metrics import run_environment
 
     configs = [(None, None)] + (SWEEP if args.sweep else [])  # (None, None): the shipped launch configuration

@@ -1,4 +1,4 @@
-"""Attention kernel benchmark: engine/kernels/attention.py against torch SDPA's flash backend, fwd+bwd, one GPU.
+"""Attention kernel benchmark: streamtrain_kernels/attention.py against torch SDPA's flash backend, fwd+bwd, one GPU.
 
     python bench/bench_attention.py --out bench/results/attention.jsonl
     python bench/bench_attention.py --seq-lens 8192 32768 --cases qwen7b      # a subset
@@ -123,7 +123,7 @@ def _sdpa_attn(gqa_native: bool, G: int):
 def run_case(name, T, meta, layout="bhtd"):
     import torch
 
-    from engine.kernels.attention import flash_attention
+    from streamtrain_kernels.attention import flash_attention
 
     c = CASES[name]
     B, H, Hkv, D = 1, c["heads"], c["kv_heads"], c["head_dim"]

@@ -1,4 +1,4 @@
-"""Fused LM head + cross-entropy (engine/kernels/cross_entropy.py) against the unfused torch chains, fwd+bwd, one GPU.
+"""Fused LM head + cross-entropy (streamtrain_kernels/cross_entropy.py) against the unfused torch chains, fwd+bwd, one GPU.
 
     python bench/bench_cross_entropy.py --out bench/results/cross_entropy.jsonl
     python bench/bench_cross_entropy.py --tokens 8192 --hidden 3584 --sweep      # + row-kernel launch configs
@@ -7,7 +7,7 @@ Cases: Qwen2.5 heads, V = 152064, D = 3584 (7B) and 2048 (3B), N = 4K, 8K, 16K, 
 compute loss = sum_i CE(h_i W^T, label_i) / N and its gradients (torch.autograd.grad for h and W):
   fused        fused_linear_cross_entropy (default chunk: 2**27 logits), 3 matmuls, logits never stored
   torch_full   F.cross_entropy(F.linear(h, W).float(), reduction="sum"): the whole N x V logits at once
-               (engine/kernels/reference.py linear_cross_entropy_reference); rows that run out of memory say so
+               (streamtrain_kernels/reference.py linear_cross_entropy_reference); rows that run out of memory say so
   torch_ckpt   the engine's chain before the fused head (engine/model/dense.py loss_sum): the same per chunk of
                2**27 logits under activation checkpointing, 4 matmuls (logits recomputed in backward)
   fused_c<C>   with --fused-chunks C ...: the fused head at other chunk sizes (fewer, larger dW updates)
@@ -44,8 +44,8 @@ def torch_ckpt_loss(h_ND, weight_VD, labels_N, scale):
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from engine.kernels.cross_entropy import default_chunk_tokens
-    from engine.kernels.reference import linear_cross_entropy_reference
+    from streamtrain_kernels.cross_entropy import default_chunk_tokens
+    from streamtrain_kernels.reference import linear_cross_entropy_reference
 
     chunk = default_chunk_tokens(weight_VD.shape[0])
     total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
@@ -59,8 +59,8 @@ def impls(fused_chunks) -> dict:
     """name -> (loss function, chunk_tokens for the row)."""
     import functools
 
-    from engine.kernels.cross_entropy import default_chunk_tokens, fused_linear_cross_entropy
-    from engine.kernels.reference import linear_cross_entropy_reference
+    from streamtrain_kernels.cross_entropy import default_chunk_tokens, fused_linear_cross_entropy
+    from streamtrain_kernels.reference import linear_cross_entropy_reference
 
     chunk = default_chunk_tokens(VOCAB)
     ways = {"fused": (fused_linear_cross_entropy, chunk)}
@@ -128,7 +128,7 @@ def sweep_rows(D: int, V: int, info: dict) -> list:
     import torch
     import triton
 
-    import engine.kernels.cross_entropy as CE
+    import streamtrain_kernels.cross_entropy as CE
 
     C = CE.default_chunk_tokens(V)
     z = torch.randn(C, V, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Benchmark engine/kernels/grad_accum.py against the best plain-torch way, at the decoder-layer sizes of
+"""Benchmark streamtrain_kernels/grad_accum.py against the best plain-torch way, at the decoder-layer sizes of
 qwen7b/32b/72b.
 
     python bench/bench_grad_accum.py --out bench/results/grad_accum.jsonl
@@ -6,7 +6,7 @@ qwen7b/32b/72b.
 
 Conventions of bench/kernel_bench.py (medians of do_bench, bandwidth = bytes read + written per second, the copy
 rate measured in the same run, `torch_impl` naming the fastest torch way); `--sweep` also times the other BLOCK /
-num_warps launch configurations of engine/kernels/tiles.py in `SWEEP`. Cases, per layer:
+num_warps launch configurations of streamtrain_kernels/tiles.py in `SWEEP`. Cases, per layer:
 - bf16 grads, first micro-batch (`first=True`: flat = g): 6 B/element; torch `_foreach_copy_` on the views;
 - bf16 grads, later micro-batch (flat += g): 10 B/element; torch `_foreach_add_`;
 - bf16 grads, last micro-batch with norms of the result: 10 B/element; torch `_foreach_add_` + `_foreach_norm`;
@@ -31,8 +31,8 @@ SWEEP = [(4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8), (16384, 16)]  #
 
 
 def bench_model(torch, model: str, copy_rate: float, info: dict, configs) -> list:
-    import engine.kernels.grad_accum as G
-    import engine.kernels.tiles as T
+    import streamtrain_kernels.grad_accum as G
+    import streamtrain_kernels.tiles as T
 
     layout = layer_layout(model)
     numel = layout.param_numel
@@ -110,8 +110,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time other BLOCK / num_warps configurations")
     args = ap.parse_args()
     torch, _ = require_gpu("bench_grad_accum")
-    import engine.kernels.grad_accum as G
-    import engine.kernels.tiles as T
+    import streamtrain_kernels.grad_accum as G
+    import streamtrain_kernels.tiles as T
 
     configs = SWEEP if args.sweep else [(T.BLOCK_GPU, T.NUM_WARPS_GPU)]
     default = (T.BLOCK_GPU, T.NUM_WARPS_GPU, G.SR_ROWS_GPU, G.SR_NUM_WARPS_GPU)

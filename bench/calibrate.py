@@ -17,7 +17,7 @@ step is made of, each the median of `--repeats` timed repetitions after `--warmu
    - backward as the engine runs it (`ModelSpec.layer_grads`): the forward again with autograd from a leaf input,
      then the gradients of the input and every weight under a random upstream gradient, then the weight gradients
      added into an fp32 buffer of the layer's layout (the engine accumulates each micro-batch's gradients so: the
-     fused kernel of engine/kernels/grad_accum.py on CUDA, torch adds on the CPU; at qwen7b's 64K tokens per step
+     fused kernel of streamtrain_kernels/grad_accum.py on CUDA, torch adds on the CPU; at qwen7b's 64K tokens per step
      in 8 micro-batches that is ~0.2 s of an H200 step) -> `bwd_tflops_<mode>`, counted as 3 forwards (the
      recompute and the backward's two matmuls per weight) less what the recompute leaves out (a dense layer's down
      projection), as the planner counts it;

@@ -1,4 +1,4 @@
-"""Count the sm_90 instructions of engine/kernels/adamw_update.py's kernel, on a machine without a GPU.
+"""Count the sm_90 instructions of streamtrain_kernels/adamw_update.py's kernel, on a machine without a GPU.
 
     python bench/sass_count.py                       # every state format
     python bench/sass_count.py --formats bf16/int8 --ops 25

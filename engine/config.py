@@ -145,7 +145,7 @@ class TrainConfig:
     # that has none stops the run with torch's error naming it) and fixed Triton kernel configs; off: the backward
     # may accumulate in a different order each run (atomics), so two runs of one seed drift apart at rounding level
     deterministic: bool = False
-    # the LM head + cross-entropy fused in a Triton kernel, no logits recomputed (engine/kernels/cross_entropy.py):
+    # the LM head + cross-entropy fused in a Triton kernel, no logits recomputed (streamtrain_kernels/cross_entropy.py):
     # auto (on CUDA) | on | off (the chunked torch chain, logits recomputed in the backward)
     fused_loss: str = "auto"
     # attention backend (engine/model/attention.py): auto (the one measured faster in the layer: sdpa) | triton | sdpa
@@ -289,7 +289,7 @@ class EngineConfig:
     # regenerates the others group by group from it (N - 1 extra layer forwards per group, the group's N inputs on
     # the GPU meanwhile); -1: 1 (every input kept), or the smallest N with which the plan fits
     recompute_group: int = -1
-    fused_kernels: bool = True  # stream: Triton gradient accumulation (engine/kernels/grad_accum.py); off: torch ops
+    fused_kernels: bool = True  # stream: Triton gradient accumulation (streamtrain_kernels/grad_accum.py); off: torch ops
     # stream: the Adam moments of the last N host-updated units live in the NVMe tier's file (hardware.nvme_dir);
     # -1: as few as the host memory plan needs (none without hardware.nvme_dir)
     nvme_units: int = -1

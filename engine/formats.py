@@ -3,7 +3,7 @@
 Three typed fields of `train` choose them, each checked at compose time:
 - `train.master_dtype`: fp32 (exact) | bf16 (updated with stochastic rounding);
 - `train.moments_dtype`: fp32 | bf16 (stochastic rounding) | int8 (blockwise 8-bit floats with one fp32 scale per
-  `train.moments_block_size` elements per moment, engine/kernels/adamw_update.py);
+  `train.moments_block_size` elements per moment, streamtrain_kernels/adamw_update.py);
 - `train.grad_dtype`: fp32 | bf16 (stochastic rounding): the gradients held until the global norm is known.
 
 Bytes per parameter: master 4 / 2, moments 8 / 4 / 2 (+ 8 B of scales per block), gradient 4 / 2. The exact recipe
@@ -21,12 +21,13 @@ import itertools
 from dataclasses import dataclass
 from typing import Tuple
 
+from streamtrain_kernels.adamw_update import BLOCK_SIZE_RANGE  # int8 moments: the fused kernel's tile holds whole blocks
+
 MASTER_DTYPES = ("fp32", "bf16")
 MOMENTS_DTYPES = ("fp32", "bf16", "int8")
 GRAD_DTYPES = ("fp32", "bf16")
 BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 SCALE_BYTES = 4
-BLOCK_SIZE_RANGE = (8, 16384)  # int8 moments: the fused update kernel's tile holds whole blocks
 
 
 @dataclass(frozen=True)

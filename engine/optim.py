@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from engine.formats import update_seed
-from engine.kernels.adamw_update import adamw_update, layout_segments
-from engine.kernels.reference import dequantize_blocks_reference, sq_norms_reference
+from streamtrain_kernels.adamw_update import adamw_update, layout_segments
+from streamtrain_kernels.reference import dequantize_blocks_reference, sq_norms_reference
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing
 
@@ -155,7 +155,7 @@ class FormatAdamW:
     Master, m and v are flat buffers of the unit's layout in the format's dtypes (int8 moments with fp32 per-block
     scales), made by `format_state_buffers`, wherever they live: GPU memory, or pinned host memory for a GPU-streamed
     unit, whose update then runs over GPU staging copies passed as `state` (engine/streaming/streamed_update.py).
-    The update is `engine.kernels.adamw_update` (on a CPU without the Triton interpreter, its torch reference: the
+    The update is `streamtrain_kernels.adamw_update` (on a CPU without the Triton interpreter, its torch reference: the
     same bits), reading the clip coefficient and the learning rate as device tensors. Adam's step count is kept per
     unit on the host; stochastic rounding is keyed by `formats.update_seed(seed, unit, step)`.
     """

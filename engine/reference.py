@@ -29,7 +29,7 @@ from engine import optim
 from engine.distributed import SINGLE, DataParallel
 from engine.device import autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
-from engine.kernels.grad_accum import to_bf16_stochastic
+from streamtrain_kernels.grad_accum import to_bf16_stochastic
 from engine.model import ModelSpec
 
 Batch = Tuple[torch.Tensor, torch.Tensor]

@@ -229,7 +229,7 @@ def test_wheel_carries_conf_and_finds_it_when_installed(tmp_path):
     """`pip wheel` of a copy of the sources (so the checkout gets no build/ dir); the unpacked wheel, first on
     PYTHONPATH and run from another directory, composes its packaged conf and resolves a hardware profile from it."""
     src = tmp_path / "src"
-    for name in ("engine", "conf"):
+    for name in ("engine", "streamtrain_kernels", "conf"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("setup.cfg", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
@@ -240,7 +240,8 @@ def test_wheel_carries_conf_and_finds_it_when_installed(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         zf.extractall(site)
-    modules = {p.relative_to(src).as_posix() for p in (src / "engine").rglob("*.py")}
+    modules = {p.relative_to(src).as_posix() for package in ("engine", "streamtrain_kernels")
+               for p in (src / package).rglob("*.py")}
     yamls = {"streamtrain_conf/" + p.relative_to(src / "conf").as_posix() for p in (src / "conf").rglob("*.yaml")}
     assert not modules - names, f"not in the wheel (list their package in setup.cfg): {sorted(modules - names)}"
     assert not yamls - names, sorted(yamls - names)

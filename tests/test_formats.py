@@ -87,8 +87,8 @@ def test_a_model_that_fits_in_no_format_says_only_why():
 
 def _train_reference(overrides, steps, monkeypatch=None, kernel=True):
     """engine=reference on the CPU, SMALL model; with kernel=False the fused update runs its torch reference
-    (engine/kernels/reference.py) instead of the Triton kernel under the interpreter."""
-    import engine.kernels.adamw_update as K
+    (streamtrain_kernels/reference.py) instead of the Triton kernel under the interpreter."""
+    import streamtrain_kernels.adamw_update as K
     from tests.test_engine_equivalence import build
 
     if not kernel:
@@ -110,7 +110,7 @@ FORMATS = {"bf16": ["train.master_dtype=bf16", "train.moments_dtype=bf16", "trai
 @pytest.mark.parametrize("name", FORMATS)
 def test_the_fused_kernel_trains_as_the_plain_torch_update(monkeypatch, name):
     """engine=reference in a low-precision format, the Triton kernel (interpreter) against the plain-torch update
-    of engine/kernels/reference.py: the same losses and the same state, bit for bit, over three steps with
+    of streamtrain_kernels/reference.py: the same losses and the same state, bit for bit, over three steps with
     clipping active (the stochastic rounding keyed alike)."""
     losses_k, eng_k = _train_reference(FORMATS[name], 3)
     losses_t, eng_t = _train_reference(FORMATS[name], 3, monkeypatch, kernel=False)

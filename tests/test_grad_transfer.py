@@ -13,7 +13,7 @@ import torch
 from engine import optim
 from engine.config import ConfigError
 from engine.formats import GRAD_STREAM, update_seed
-from engine.kernels.reference import stochastic_round_reference
+from streamtrain_kernels.reference import stochastic_round_reference
 from engine.model import ModelSpec
 from engine.optim import FlatAdamW
 from engine.plan import build_plan

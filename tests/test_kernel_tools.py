@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import engine.kernels.adamw_update as A
+import streamtrain_kernels.adamw_update as A
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))  # the tools are scripts there

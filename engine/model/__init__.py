@@ -150,7 +150,7 @@ class ModelSpec:
         self._loss_chunk_fn = torch.compile(dense.chunk_loss_sum, dynamic=False)
 
     def use_fused_loss(self) -> None:
-        """Compute the head with the fused LM head + cross-entropy (engine/kernels/cross_entropy.py) instead of the
+        """Compute the head with the fused LM head + cross-entropy (streamtrain_kernels/cross_entropy.py) instead of the
         chunked, recomputed torch chain."""
         self.fused_loss = True
 

@@ -1,7 +1,7 @@
 """Causal GQA attention for the layer templates, with the backend chosen per run (`train.attention`).
 
 Backends (query head j reads kv head j // (nh / kv), the grouping of HF's repeat_kv):
-- `triton`: the project's flash attention (engine/kernels/attention.py), forward and backward in Triton, memory
+- `triton`: the project's flash attention (streamtrain_kernels/attention.py), forward and backward in Triton, memory
   linear in the sequence length. CUDA (or the Triton interpreter, for CPU tests); head_dim a power of two in 16..128.
 - `sdpa`: torch's scaled_dot_product_attention with `enable_gqa` (its flash backend on CUDA for bf16/fp16).
 - `flash_attn`: the optional flash-attn package (bf16/fp16 on CUDA), when installed.
@@ -19,7 +19,7 @@ other backends compute neither.
 A backend that was asked for and cannot run the shape or the device is an error (`resolve_attention`, called when
 the engine is built), never a quiet switch to another one.
 
-The Triton kernel is a torch.library custom op (`layer_attention_forward`, engine/kernels/attention.py): the
+The Triton kernel is a torch.library custom op (`layer_attention_forward`, streamtrain_kernels/attention.py): the
 compiled layer stays one graph with the kernel as an opaque node. Until commit b966e86 it ran outside the graph,
 under `torch.compiler.disable`, which split the layer in two with eager code between the halves: one suspect for
 the in-layer gap above.
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ATTENTION_BACKENDS, ConfigError
-from engine.kernels.attention import HEAD_DIMS, layer_attention_forward
+from streamtrain_kernels.attention import HEAD_DIMS, layer_attention_forward
 
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 

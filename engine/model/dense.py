@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from engine.kernels.cross_entropy import fused_linear_cross_entropy
+from streamtrain_kernels.cross_entropy import fused_linear_cross_entropy
 from engine.model.attention import causal_attention
 from engine.model.layout import ParamSpec
 from engine.model.rope import Rope, apply_rope
@@ -40,7 +40,7 @@ Params = Dict[str, torch.Tensor]
 
 LOSS_CHUNK_ELEMS = 1 << 27  # logits elements per loss chunk (fp32: 512 MiB) bound the head's working memory
 # the fused loss: 1 GiB of bf16 logits per chunk; at smaller chunks its fp32 dW update (V x D read and written per
-# chunk) is memory-bound (engine/kernels/cross_entropy.py: 51 -> 44 ms at 8K tokens of the 7B head on an H200)
+# chunk) is memory-bound (streamtrain_kernels/cross_entropy.py: 51 -> 44 ms at 8K tokens of the 7B head on an H200)
 FUSED_LOSS_CHUNK_ELEMS = 1 << 29
 
 
@@ -239,7 +239,7 @@ def chunk_loss_sum(norm_w: torch.Tensor, lm_w: torch.Tensor, x_ND: torch.Tensor,
 
 def fused_loss_sum(p: Params, x_BTD: torch.Tensor, labels_BT: torch.Tensor, a: DenseArch,
                    tied_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`loss_sum` with the LM head and cross-entropy fused (engine/kernels/cross_entropy.py): each chunk's gradient is
+    """`loss_sum` with the LM head and cross-entropy fused (streamtrain_kernels/cross_entropy.py): each chunk's gradient is
     finished in the forward, so the backward recomputes no logits (3 head matmuls instead of 4). The final norm runs
     in torch over all tokens; its output and the head matrix are cast to the autocast dtype as F.linear would."""
     x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])

@@ -49,7 +49,7 @@ so tied models agree with the reference to fp32 rounding rather than bit for bit
 Low-precision state formats (engine/formats.py) are updated on the GPU only (GPU-resident and GPU-streamed units;
 the planner gives none to the host): master and moments live in the formats, in HBM or in pinned host memory
 (`optim.FormatAdamW` over `optim.format_state_buffers`), each unit is updated by the fused kernel
-(engine/kernels/adamw_update.py, which applies the clip coefficient itself), and slots are filled from the
+(streamtrain_kernels/adamw_update.py, which applies the clip coefficient itself), and slots are filled from the
 low-precision master as from an fp32 one. With bf16 gradients the layers accumulate in a shared fp32 pair and each
 unit's finished gradient is rounded stochastically into a bf16 copy held until its update (keyed as
 engine=reference keys it, so both engines round alike); the norms are of the rounded copies, taken by
@@ -89,7 +89,7 @@ from engine import optim
 from engine.distributed import SINGLE, DataParallel, state_owners
 from engine.device import Device, autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
-from engine.kernels.grad_accum import to_bf16_stochastic
+from streamtrain_kernels.grad_accum import to_bf16_stochastic
 from engine.model import ModelSpec, backprop
 from engine.plan import kept_layer_inputs
 from engine.optim import FlatAdamW

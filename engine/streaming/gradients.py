@@ -2,7 +2,7 @@
 
 The accumulator holds the gradient in the unit's flat layout (the optimizer state's layout, so it crosses the link as
 one copy). `fused` accumulates all of a micro-batch's gradients in one Triton launch, bit-identical to the
-per-tensor torch copy_/add_ it replaces (engine/kernels/grad_accum.py).
+per-tensor torch copy_/add_ it replaces (streamtrain_kernels/grad_accum.py).
 
 Norms. The engine's last `add` of a step into an accumulator passes `sq_norms_out`, its slice of the step's
 per-tensor sums of squares (the clipping norm's input, `optim.sq_norms`'s definition), so that no pass of its own
@@ -42,7 +42,7 @@ import torch
 from engine import optim
 from engine.device import Device
 from engine.formats import update_seed
-from engine.kernels.grad_accum import accumulate_layout, to_bf16_stochastic
+from streamtrain_kernels.grad_accum import accumulate_layout, to_bf16_stochastic
 from engine.streaming.stall_timer import StallTimer
 
 # xor-ed into an update's seed to key the rounding of its gradient's D2H copy (formats.GRAD_STREAM: the held copy's)

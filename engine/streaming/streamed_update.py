@@ -6,7 +6,7 @@ Such a unit's update of step t runs when step t+1's forward loads it, in place o
 2. on the same stream, behind the event recorded when the step's gradient norm and clip coefficient were known, the
    unit is updated over views of the staging buffer by the engine's `step` function: the fused CUDA AdamW the
    reference runs on the clipped gradient (fp32 state, exact), or the fused format kernel, which clips itself
-   (engine/kernels/adamw_update.py);
+   (streamtrain_kernels/adamw_update.py);
 3. still on the H2D stream, the fresh master is cast into the unit's weight slot (bf16 cast segment, fp32 tail):
    no second H2D of the unit's weights;
 4. on the D2H stream, the state goes back to its pinned home; that copy frees the staging buffer.

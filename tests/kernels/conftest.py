@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import engine.kernels.tiles as T
+import streamtrain_kernels.tiles as T
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""engine/kernels/adamw_update.py: the fused AdamW step in every state format.
+"""streamtrain_kernels/adamw_update.py: the fused AdamW step in every state format.
 
 fp32 against torch.optim.AdamW(fused=True) to at most 1 ulp; every format bit for bit against the torch reference
 (same Philox streams, same 8-bit codes); stochastic rounding statistically; the int8 codes against their bound.
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-import engine.kernels.adamw_update as A
-from engine.kernels.reference import (M_CODE, V_CODE, adamw_update_reference, code_decode_reference,
+import streamtrain_kernels.adamw_update as A
+from streamtrain_kernels.reference import (M_CODE, V_CODE, adamw_update_reference, code_decode_reference,
                                       code_encode_reference, stochastic_bits_reference)
 from tests.kernels.test_tiles import small_layer
 

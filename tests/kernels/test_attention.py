@@ -1,4 +1,4 @@
-"""Flash attention kernel (engine/kernels/attention.py) against the pure-torch reference.
+"""Flash attention kernel (streamtrain_kernels/attention.py) against the pure-torch reference.
 
 Rule (flash-attn's): against a truth computed in fp64 on the (upcast) inputs, the kernel's max abs error must be
 at most 2x the error of PyTorch's own attention in the same low precision (the reference run op by op in bf16 /
@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.kernels.attention as A
-from engine.kernels.reference import attention_mask, attention_reference, merge_reference
-from engine.kernels.attention import flash_attention, flash_attention_with_lse, merge_attention
+import streamtrain_kernels.attention as A
+from streamtrain_kernels.reference import attention_mask, attention_reference, merge_reference
+from streamtrain_kernels.attention import flash_attention, flash_attention_with_lse, merge_attention
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 ATOL = {bf16: 2e-3, fp16: 3e-4, fp32: 1e-5}

@@ -1,6 +1,6 @@
-"""Fused LM head + cross-entropy (engine/kernels/cross_entropy.py) against the pure-torch references.
+"""Fused LM head + cross-entropy (streamtrain_kernels/cross_entropy.py) against the pure-torch references.
 
-fp32 inputs: loss, dh and dW equal the unfused autograd chain (engine/kernels/reference.py
+fp32 inputs: loss, dh and dW equal the unfused autograd chain (streamtrain_kernels/reference.py
 `linear_cross_entropy_reference`) to fp32 rounding. bf16 inputs, the flash-attention rule: against a truth computed
 by the same chain on the inputs upcast to fp32, the fused error (max abs) must be at most 2x the error of PyTorch's
 own unfused bf16 chain plus a small atol, for loss, dh and dW. The row kernel alone is compared with
@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.kernels.cross_entropy as CE
-from engine.kernels.cross_entropy import default_chunk_tokens, fused_linear_cross_entropy, softmax_ce_grad_
-from engine.kernels.reference import cross_entropy_grad_reference, linear_cross_entropy_reference
+import streamtrain_kernels.cross_entropy as CE
+from streamtrain_kernels.cross_entropy import default_chunk_tokens, fused_linear_cross_entropy, softmax_ce_grad_
+from streamtrain_kernels.reference import cross_entropy_grad_reference, linear_cross_entropy_reference
 
 bf16, fp32 = torch.bfloat16, torch.float32
 

@@ -1,4 +1,4 @@
-"""engine/kernels/grad_accum.py: accumulation into the flat fp32 layout, and fp32 -> bf16 stochastic rounding.
+"""streamtrain_kernels/grad_accum.py: accumulation into the flat fp32 layout, and fp32 -> bf16 stochastic rounding.
 
 The exactness contract is tested bit for bit (scale 1 == torch add_ / copy_); scaled accumulation and norms to
 fp32 rounding; stochastic rounding bit for bit against the torch reference of the same Philox stream, and
@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-import engine.kernels.grad_accum as G
-import engine.kernels.tiles as T
-from engine.kernels.reference import (accumulate_reference, philox_reference, sq_norms_reference,
+import streamtrain_kernels.grad_accum as G
+import streamtrain_kernels.tiles as T
+from streamtrain_kernels.reference import (accumulate_reference, philox_reference, sq_norms_reference,
                                       stochastic_bits_reference, stochastic_round_reference)
 from tests.kernels.test_tiles import (ODD_SHAPES, CountingKernel, aligned_offsets, bits, qwen7b_layer,
                                       small_layer, values)

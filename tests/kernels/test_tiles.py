@@ -1,5 +1,5 @@
-"""engine/kernels/tiles.py, the launch machinery of the flat-buffer kernels, through the op that uses all of it
-(engine/kernels/grad_accum.py's `accumulate`): the tensor table and its cache, the aligned and unaligned paths, the
+"""streamtrain_kernels/tiles.py, the launch machinery of the flat-buffer kernels, through the op that uses all of it
+(streamtrain_kernels/grad_accum.py's `accumulate`): the tensor table and its cache, the aligned and unaligned paths, the
 launch configuration, the deterministic per-tensor norms and the argument checks. Also the helpers the other kernel
 tests share (values, layouts, bit views).
 
@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-import engine.kernels.grad_accum as G
-import engine.kernels.tiles as T
-from engine.kernels.reference import accumulate_reference, sq_norms_reference
+import streamtrain_kernels.grad_accum as G
+import streamtrain_kernels.tiles as T
+from streamtrain_kernels.reference import accumulate_reference, sq_norms_reference
 from engine.model.layout import ALIGN_ELEMS, ParamSpec, UnitLayout
 
 SENTINEL = -1234.5  # exactly representable in fp32, bf16 and fp16

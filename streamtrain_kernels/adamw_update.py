@@ -47,7 +47,7 @@ Formats (master x moments, any combination; grad fp32 or bf16):
 
 Segments: `(start, numel, weight_decay)` tiling [0, numel) in order. Adjacent segments of equal decay are merged
 (a decoder layer becomes two runs: its matrices, then its vectors) into a device table of run starts and decays,
-cached per (device, stream, runs) like engine/kernels/tiles.py's tensor tables (one pinned, non-blocking upload on
+cached per (device, stream, runs) like streamtrain_kernels/tiles.py's tensor tables (one pinned, non-blocking upload on
 a miss). One launch covers the unit: each program finds the run of its first element and walks forward while a
 run boundary falls inside its tile (usually never), filling a per-element decay factor. Launching per segment
 instead would split int8 blocks that span two segments and cost a launch per tensor.
@@ -78,16 +78,15 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import formats
-from engine.kernels.grad_accum import philox_4x32
-from engine.kernels.tiles import load_tile, store_tile, to_fp32, uses_triton
-from engine.kernels.reference import M_CODE, V_CODE, adamw_stream_seeds
+from streamtrain_kernels.grad_accum import philox_4x32
+from streamtrain_kernels.tiles import load_tile, store_tile, to_fp32, uses_triton
+from streamtrain_kernels.reference import M_CODE, V_CODE, adamw_stream_seeds
 
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 MOMENT_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.uint8}  # m -> v
 MOMENTS_FP32, MOMENTS_BF16, MOMENTS_INT8 = 0, 1, 2
-BLOCK_SIZE_RANGE = formats.BLOCK_SIZE_RANGE  # int8 block sizes: powers of two in this range
+BLOCK_SIZE_RANGE = (8, 16384)  # int8 moment block sizes: powers of two in this range (a tile holds whole blocks)
 
 # Elements per program and warps, fixed from H200 sweeps (bench/bench_adamw_update.py --sweep / --configs), not
 # autotuned. Without int8 moments: 1024 elements on 4 warps, the fastest or within 1% of it in every such format at
@@ -503,7 +502,7 @@ def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: t
     runs = _merged_runs(segments, numel)
 
     if not uses_triton(device):
-        from engine.kernels.reference import adamw_update_reference
+        from streamtrain_kernels.reference import adamw_update_reference
         adamw_update_reference(master, m, v, grad, lr=lr, clip=clip, step=step, beta1=beta1, beta2=beta2, eps=eps,
                                segments=segments, weights_out=weights_out, m_scales=m_scales, v_scales=v_scales,
                                block_size=block_size, seed=seed, offset=offset)

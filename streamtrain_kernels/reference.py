@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 
 # ---------------------------------------------------------------------------------------------------------------
-# engine/kernels/grad_accum.py
+# streamtrain_kernels/grad_accum.py
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -77,7 +77,7 @@ def _mul_hi_lo_u32(a: torch.Tensor, b: int):
 
 def philox_reference(seed: int, counter: torch.Tensor):
     """Philox-4x32-10 of counters (counter mod 2**32, counter >> 32, 0, 0) under key (seed low, seed high 32 bits):
-    the generator of engine/kernels/grad_accum.py. `counter`: int64 tensor of non-negative values. Returns four int64
+    the generator of streamtrain_kernels/grad_accum.py. `counter`: int64 tensor of non-negative values. Returns four int64
     tensors holding uint32 words."""
     seed = int(seed) & (2**64 - 1)
     c0 = counter & _M32
@@ -123,7 +123,7 @@ def stochastic_round_reference(x: torch.Tensor, seed: int = 0, offset: int = 0,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# engine/kernels/attention.py
+# streamtrain_kernels/attention.py
 # They materialise the [B, Hq, Tq, Tk] scores: tests and small shapes only. Same semantics as the kernel: query
 # row i at key position p_i = q_offset + i (default Tk - Tq); key j visible iff j <= p_i (causal) and
 # j > p_i - window (window: HF / gpt-oss `sliding_window_overlay`); sinks [Hq] are extra logits with zero value
@@ -186,7 +186,7 @@ def merge_reference(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# engine/kernels/cross_entropy.py
+# streamtrain_kernels/cross_entropy.py
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -227,13 +227,13 @@ def linear_cross_entropy_reference(h_ND: torch.Tensor, weight_VD: torch.Tensor, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# engine/kernels/adamw_update.py
+# streamtrain_kernels/adamw_update.py
 # Every operation below is one correctly rounded fp32 operation, as in the kernel: torch's CPU `sqrt` is not
 # correctly rounded (a fast approximation), so the reference takes the square root through fp64 and fixes the
 # rounding; fp32 FMAs go through fp64 with round-to-odd, which makes the final rounding to fp32 exact.
 # ---------------------------------------------------------------------------------------------------------------
 
-# 8-bit moment codes (E exponent bits, M mantissa bits), see engine/kernels/adamw_update.py
+# 8-bit moment codes (E exponent bits, M mantissa bits), see streamtrain_kernels/adamw_update.py
 M_CODE = (4, 3)  # m: sign + e4m3 magnitude
 V_CODE = (5, 3)  # v: unsigned e5m3
 _GOLDEN64 = 0x9E3779B97F4A7C15

@@ -3,7 +3,7 @@
 `accumulate(flat, grads, offsets)` does `flat[off_i : off_i + n_i] += scale * grads[i]` for every gradient of a
 unit in ONE launch (`first=True` overwrites, so a fresh accumulator needs no zeroing pass). Gradients may mix
 bf16 / fp16 / fp32 (a layer's matmul gradients arrive in the compute dtype, its norm and bias gradients in fp32).
-The launch machinery is engine/kernels/tiles.py's: a cached tensor table of (address, numel, offset, first block,
+The launch machinery is streamtrain_kernels/tiles.py's: a cached tensor table of (address, numel, offset, first block,
 dtype code), one program per BLOCK elements of the total, an unmasked path for every full block, alignment hints
 when all addresses are 16-byte aligned and every offset is a multiple of 8 elements (UnitLayout offsets are
 multiples of 64). Padding between tensors is never touched.
@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.tiles import (as_pointer, check_flat, check_tensors, find_tensor, launch_config, load_tile,
+from streamtrain_kernels.tiles import (as_pointer, check_flat, check_tensors, find_tensor, launch_config, load_tile,
                                   store_tile, sum_partials, tensor_entry, tensor_table, to_fp32, uses_triton)
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -121,7 +121,7 @@ def _accumulate(op, flat, grads, offsets, scale, first, sq_norms_out, labels=Non
         raise ValueError(f"{op}: scale must be a Python number (a {scale.device} tensor would sync the host)")
     scale = float(scale)
     if not uses_triton(flat.device):
-        from engine.kernels.reference import accumulate_reference
+        from streamtrain_kernels.reference import accumulate_reference
         accumulate_reference(flat, grads, offs, scale, first, sq_norms_out)
         return
     block, num_warps = launch_config(flat.device)
@@ -230,7 +230,7 @@ def to_bf16_stochastic(flat_fp32: torch.Tensor, out_bf16: torch.Tensor, seed: in
     if offset < 0:
         raise ValueError(f"{op}: offset must be >= 0, got {offset}")
     if not uses_triton(flat_fp32.device):
-        from engine.kernels.reference import stochastic_round_reference
+        from streamtrain_kernels.reference import stochastic_round_reference
         out_bf16.view(-1).copy_(stochastic_round_reference(flat_fp32.view(-1), seed, offset))
         return out_bf16
     numel = flat_fp32.numel()

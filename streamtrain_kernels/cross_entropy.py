@@ -56,7 +56,7 @@ without a host-side check that would sync the device; its gradient row is then s
 Interpreter (TRITON_INTERPRET=1, CPU tests): loads are upcast to fp32 at once, one small BLOCK (256) so that
 test-sized vocabularies loop over several blocks, and its fp32 -> bf16 stores truncate (the GPU rounds to
 nearest). On a CPU without the interpreter the per-chunk softmax step is the torch reference
-(engine/kernels/reference.py `cross_entropy_grad_reference`). Autocast is disabled inside: the matmuls run in the dtype
+(streamtrain_kernels/reference.py `cross_entropy_grad_reference`). Autocast is disabled inside: the matmuls run in the dtype
 of the given tensors.
 """
 
@@ -146,7 +146,7 @@ def softmax_ce_grad_(z_CV: torch.Tensor, labels_C: torch.Tensor, loss_C: torch.T
     if C == 0:
         return
     if z_CV.device.type != "cuda" and not INTERPRET:
-        from engine.kernels.reference import cross_entropy_grad_reference
+        from streamtrain_kernels.reference import cross_entropy_grad_reference
         loss_C.copy_(cross_entropy_grad_reference(z_CV, labels_C, scale, ignore_index, with_grad))
         return
     num_warps = NUM_WARPS_GPU if z_CV.device.type == "cuda" else 1

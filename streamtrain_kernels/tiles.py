@@ -1,7 +1,7 @@
 """Launch machinery shared by the kernels over flat buffers: one Triton launch covering many tensors.
 
-engine/kernels/grad_accum.py adds a unit's gradients (a dozen tensors of mixed dtypes) into the unit's flat fp32
-buffer in one launch; engine/kernels/adamw_update.py shares the tile helpers. This module provides:
+streamtrain_kernels/grad_accum.py adds a unit's gradients (a dozen tensors of mixed dtypes) into the unit's flat fp32
+buffer in one launch; streamtrain_kernels/adamw_update.py shares the tile helpers. This module provides:
 - host side: `check_flat` / `check_tensors` (a ValueError naming the tensor and the problem, raised before any
   launch), `tensor_table` (the cached device-side table below), `launch_config` (BLOCK and warps per device),
   `uses_triton` / `INTERPRETED` (kernel or torch fallback), `sum_partials` (deterministic per-tensor sums);
@@ -46,7 +46,7 @@ config in another process) the result is bit-identical from run to run. The inte
 its in-block reduction order differs, so CPU and GPU norms agree to rounding, not bit for bit.
 
 Without a GPU and without TRITON_INTERPRET=1 (a plain CPU run of the engine), `uses_triton` is False and the ops
-call their torch references in engine/kernels/reference.py instead.
+call their torch references in streamtrain_kernels/reference.py instead.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def uses_triton(device: torch.device) -> bool:
     """True when kernels launch (CUDA tensors, or CPU tensors under the interpreter); False: torch fallback."""
     if device.type == "cuda":
         if INTERPRETED:
-            raise RuntimeError("engine.kernels: CUDA tensors with TRITON_INTERPRET=1: the tensor table holds device "
+            raise RuntimeError("streamtrain_kernels: CUDA tensors with TRITON_INTERPRET=1: the tensor table holds device "
                                "addresses the interpreter cannot read; run with TRITON_INTERPRET=0")
         return True
     return INTERPRETED

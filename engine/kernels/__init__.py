@@ -1,1 +1,0 @@
-"""Triton kernels, one op per file, each with a pure-torch reference in engine/kernels/reference.py."""
