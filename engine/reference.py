@@ -222,5 +222,8 @@ class ReferenceEngine:
         return {f"{tier}_master": state["master"], f"{tier}_weights_fp32": 4 * n, f"{tier}_grads": 8 * n,
                 f"{tier}_moments": state["moments"]}
 
+    def wait_for_optimizer(self) -> None:
+        """Nothing to wait for: the update runs inside `train_step`."""
+
     def close(self) -> None:
         pass

@@ -18,8 +18,10 @@ non-finite steps in a row.
 
 Exit status (`main`): 0 done (also after stop_at); 2 refused (config, data, plan, checkpoint); 3 stopped after
 max_consecutive_skips skipped steps, with a checkpoint of the last good state; 128+signal (130 SIGINT, 143
-SIGTERM) when a signal stopped the run after the current step and a checkpoint of it. A second signal aborts at
-once (KeyboardInterrupt / exit 128+signal); the previous complete checkpoint stays loadable, as after SIGKILL.
+SIGTERM) when a signal stopped the run after the current step and a checkpoint of it; 5 the optimizer failed (a
+host AdamW pass or the NVMe tier; the message names the unit or the file): the run stops before any later update
+reads the stale state, and its last complete checkpoint resumes. A second signal aborts at once (KeyboardInterrupt
+/ exit 128+signal); the previous complete checkpoint stays loadable, as after SIGKILL.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from engine.model import ModelSpec
 from engine.model.attention import resolve_attention
 from engine.model.dense import LayerCompute, resolve_mlp_chunk_tokens
 from engine.plan import PlanError, build_plan, fused_loss_on, runs_compiled
+from engine.streaming.engine import OptimizerPassError
+from engine.streaming.nvme import NvmeError
 
 
 def host_mem_total_gib() -> float:
@@ -359,6 +363,8 @@ class Trainer:
                         break
                     if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
                         self._save(step, span_tokens)
+                # the last optimizer pass's errors surface here, before the summary and the final checkpoint
+                self.engine.wait_for_optimizer()
                 if step < t.steps and stopped is None and signals.received is None:  # another rank's signal
                     stopped = {"reason": "a signal to another data-parallel rank"}
                 if signals.received:
@@ -477,6 +483,10 @@ def main(cfg: DictConfig) -> dict:
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(3) from None
+    except (OptimizerPassError, NvmeError) as err:
+        print(f"error: {err}. The training state is stale from this step on; resume from the last checkpoint "
+              "(train.resume=auto)", file=sys.stderr)
+        raise SystemExit(5) from None
     except (ConfigError, DataError, PlanError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         if multirun:

@@ -96,12 +96,21 @@ from engine.optim import FlatAdamW
 from engine.streaming.activations import ActivationStore
 from engine.streaming.gradients import GradAccumulator, transfer_seed
 from engine.streaming.host_store import HostStore, init_master
-from engine.streaming.nvme import MomentFile, nvme_layers
+from engine.streaming.nvme import MomentFile, NvmeError, nvme_layers
 from engine.streaming.slots import Slot, WeightLoader
 from engine.streaming.stall_timer import StallTimer
 from engine.streaming.streamed_update import StreamedUpdater
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
+
+
+class OptimizerPassError(RuntimeError):
+    """A host optimizer pass failed at one unit: the state of the units it had not finished is stale, so the run
+    stops before the next update reads it (the NVMe tier's own failures are `NvmeError`s, which name the file)."""
+
+    def __init__(self, unit: int, unit_name: str, step: int, cause: BaseException):
+        super().__init__(f"the host AdamW update of unit {unit} ({unit_name}) after step {step} failed: "
+                         f"{type(cause).__name__}: {cause}")
 
 
 def _leaves(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -257,6 +266,7 @@ class StreamEngine:
             ev.set()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-adamw")
         self.pending: Optional[Future] = None
+        self.current_host_unit = 0  # the unit the optimizer thread is updating, named if it fails
         self.skipped_steps = 0
         self.last_optimizer_s = 0.0
         self.last_nvme_io: Dict[str, float] = {}  # MomentFile.take_io_stats of the last optimizer pass
@@ -270,8 +280,15 @@ class StreamEngine:
     def _check_optimizer(self, waiting_for: str) -> None:
         """Called while the engine's thread waits on the optimizer thread: raise if that thread has ended."""
         if self.pending is not None and self.pending.done():
-            self.pending.result()  # re-raises the optimizer thread's exception
+            self._collect_pass()  # re-raises the optimizer thread's exception
             raise RuntimeError(f"host optimizer finished without {waiting_for}")
+
+    def _collect_pass(self) -> None:
+        """Wait for the last optimizer pass to finish, its disk writes included, and raise its error if it failed.
+        Collected once: a failed pass is reported where it is found, not again by `close`."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
 
     def _wait_updated(self, unit: int) -> None:
         ev = self.updated[unit]
@@ -600,6 +617,9 @@ class StreamEngine:
         total_norm = optim.global_norm(self.sq_norms)
         norm_value = float(total_norm)  # the step's one synchronisation
         skipped = not torch.isfinite(total_norm).item()
+        # the last pass must have finished without error before any update reads the state it wrote: its units'
+        # flags went up as each was updated, but its last disk writes may still be in flight (or have failed)
+        self._collect_pass()
         coef_dev = optim.clip_coefficient(total_norm, self.t.max_grad_norm)
         coef = coef_dev.cpu()
         phases = self.timer.read()
@@ -631,8 +651,8 @@ class StreamEngine:
             self.streamed.submit(self.gpu_grads, coef_dev, scale, lr)
         for unit in self.streamed_units:
             self.updated[unit].set()
-        self.pending = self.pool.submit(self._optimizer_pass, coef, lr, skipped,
-                                        dict(self.gpu_grads), dict(self.grad_landed))
+        self.pending = self.pool.submit(self._optimizer_pass, coef, lr, skipped, dict(self.gpu_grads),
+                                        dict(self.grad_landed), self.version)
         record = {"loss": float(loss_total), "grad_norm": norm_value, "skipped": skipped,
                   "skipped_steps": self.skipped_steps, "tokens": n_tokens,
                   "step_s": time.perf_counter() - t0, "optimizer_s": previous_optimizer_s,
@@ -644,9 +664,22 @@ class StreamEngine:
             record["overlap"] = 1.0 - min(1.0, phases["exposed_s"] / copy_and_update_s) if copy_and_update_s else 1.0
         return record
 
-    def _optimizer_pass(self, coef: torch.Tensor, lr: float, skipped: bool, gpu_grads, grad_landed) -> None:
+    def _optimizer_pass(self, coef: torch.Tensor, lr: float, skipped: bool, gpu_grads, grad_landed,
+                        step: int) -> None:
+        """Step `step`'s host update (on the optimizer thread); any failure but the NVMe tier's own is raised as an
+        OptimizerPassError naming the unit it was updating."""
+        try:
+            self._host_update(coef, lr, skipped, gpu_grads, grad_landed)
+        except NvmeError:
+            raise
+        except Exception as e:
+            unit = self.current_host_unit
+            raise OptimizerPassError(unit, self.spec.units[unit].name, step, e) from e
+
+    def _host_update(self, coef: torch.Tensor, lr: float, skipped: bool, gpu_grads, grad_landed) -> None:
         start = time.perf_counter()
         units = self.my_host_units
+        self.current_host_unit = units[0] if units else 0  # the unit a failure is reported at
         self.last_nvme_io = {}
         if skipped or not units:
             for unit in units:
@@ -676,6 +709,7 @@ class StreamEngine:
             self.nvme.check()
             self.nvme.prefetch(disk[0])
         for k, unit in enumerate(units):
+            self.current_host_unit = unit
             if self.grads_on_gpu:
                 grad, ev = nxt
                 if k + 1 < len(units):
@@ -713,8 +747,7 @@ class StreamEngine:
 
     def wait_for_optimizer(self) -> None:
         """Block until the last step's update has been applied everywhere and all host state is home."""
-        if self.pending is not None:
-            self.pending.result()
+        self._collect_pass()
         self.streamed.flush(self._streamed_step)
 
     @torch.no_grad()
