@@ -653,7 +653,7 @@ def _validate_rope_scaling(rs: Any) -> None:
 
 def _validate_train(cfg: DictConfig) -> None:
     m, t = cfg.model, cfg.train
-    _positive("train.steps", t.steps, 0)
+    _positive("train.steps", t.steps)
     _positive("train.seq_len", t.seq_len)
     _positive("train.micro_batch_size", t.micro_batch_size)
     _positive("train.grad_accum", t.grad_accum)
@@ -714,6 +714,9 @@ MOE_FIGURES = tuple(f"moe_{k}_tflops_{mode}" for mode in ("compiled", "eager") f
 HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
                     "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES, *ATTENTION_FIGURES, *MOE_FIGURES,
                     *TRANSFER_FIGURES, "bidir_gbps_under_adam", "host_compile_workers_gib")
+# what 0 means for the figures where it is not "unknown"
+ZERO_MEANS = {"host_mem_gib": "this machine's memory", "gpu_mem_cap_gib": "no cap", "nvme_gib": "no NVMe tier",
+              "bidir_gbps_under_adam": "not measured: the link as fast under the host AdamW as alone"}
 
 
 def _validate_layer_widths(hw: DictConfig) -> None:
@@ -755,7 +758,7 @@ def _validate_hardware(cfg: DictConfig) -> None:
     _name("hardware.name", hw.name)
     _choice("hardware.device", hw.device, ("auto", "cpu", "cuda"))
     for key in HARDWARE_FIGURES:
-        _real(f"hardware.{key}", hw[key], 0, why=" (0: unknown)")
+        _real(f"hardware.{key}", hw[key], 0, why=f" (0: {ZERO_MEANS.get(key, 'unknown')})")
     _layer_figures_together(hw, "hardware")
     _validate_layer_widths(hw)
     _choice("hardware.attn_backend", hw.attn_backend, ("", *ATTENTION_BACKENDS[1:]))

@@ -240,7 +240,7 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
     fmt = StateFormat.of(cfg.train)
     plan = _engine_plan(spec, cfg, gpu_gib, host_gib, on_gpu, state_ranks)
     if plan.problem():
-        plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, on_gpu, fmt)
+        plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, on_gpu, fmt, state_ranks)
         plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, on_gpu, state_ranks))
     if check and plan.problem():
         raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
@@ -273,15 +273,15 @@ def in_process_compile_fits(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: 
 
 
 def formats_that_fit(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, current: StateFormat,
-                     limit: int = 3) -> List[str]:
+                     state_ranks: int, limit: int = 3) -> List[str]:
     """For a refusal: up to `limit` smaller state formats with which the streaming engine's plan fits (the most
-    precise first), each with its host and GPU totals; the rest of the config is kept."""
+    precise first), each with its host and GPU totals; the rest of the config is kept, the sharding too."""
     found = []
     for fmt in all_formats(current.block_size):
         if fmt.bytes_per_param() >= current.bytes_per_param():
             continue
         try:
-            plan = _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt)
+            plan = _stream(spec, cfg, gpu_gib, host_gib, on_gpu, fmt, state_ranks)
         except PlanError:  # the config fixes a placement this format cannot take
             continue
         if not plan.problem():

@@ -93,14 +93,15 @@ def layer_compute(spec: ModelSpec, cfg: DictConfig, device: torch.device) -> Lay
 
 
 def depth_truncated(cfg: DictConfig, full_depth_layers: Optional[int], gpu_gib: float, host_gib: float,
-                    on_gpu: bool) -> Optional[dict]:
+                    on_gpu: bool, state_ranks: int = 1) -> Optional[dict]:
     """For a depth-truncated run (fewer decoder layers of the published width): the layer counts and the full-depth
-    model's plan on the same hardware (its memory, whether it fits, its predicted step), None otherwise."""
+    model's plan on the same hardware and sharding (its memory, whether it fits, its predicted step), else None."""
     if full_depth_layers is None:
         return None
     full_cfg = copy.deepcopy(cfg)
     full_cfg.model.num_hidden_layers = full_depth_layers
-    full = build_plan(ModelSpec(full_cfg.model), full_cfg, gpu_gib, host_gib, on_gpu, check=False)
+    full = build_plan(ModelSpec(full_cfg.model), full_cfg, gpu_gib, host_gib, on_gpu, check=False,
+                      state_ranks=state_ranks)
     return {"layers": cfg.model.num_hidden_layers, "full_depth_layers": full_depth_layers,
             "full_depth_plan_gib": {tier: full.total(tier) / 2**30 for tier in ("gpu", "host")},
             "full_depth_fits": not full.problem(), "full_depth_plan_step_s": (full.times_s or {}).get("step"),
@@ -182,13 +183,14 @@ class Trainer:
         host_gib = (cfg.hardware.host_mem_gib or host_mem_total_gib()) / self.dp.local_world
         # the host state sharded over the data-parallel ranks (engine/distributed.py): no rank holds every unit
         self.sharded = self.dp.active and cfg.engine.name == "stream" and cfg.engine.shard_state
+        state_ranks = self.dp.world if self.sharded else 1
         self.plan = build_plan(self.spec, local_cfg, gpu_gib, host_gib, self.device.type == "cuda",
-                               state_ranks=self.dp.world if self.sharded else 1)
+                               state_ranks=state_ranks)
         # the units whose state this rank holds (engine/distributed.py): it verifies and loads their files only
         owner = distributed.state_owners(self.spec, self.plan.placement.get("gpu_resident_units", 0),
                                          self.dp.world) if self.sharded else {}
         self.depth_truncated = depth_truncated(local_cfg, full_depth_layers, gpu_gib, host_gib,
-                                               self.device.type == "cuda")
+                                               self.device.type == "cuda", state_ranks)
         with _refusals_named(f"data={cfg.data.name}" + (f" data.path={cfg.data.path}" if cfg.data.path else "")):
             self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size)
         self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else root / "checkpoints"

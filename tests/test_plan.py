@@ -326,3 +326,32 @@ def test_a_calibrated_narrower_layer_lengthens_the_plan_of_a_model_of_that_width
     assert "calibrated width 2048 (qwen3b)" in slow.speeds
     for phase in ("forward_compute", "backward"):  # the attention's share keeps its own rates
         assert 1.5 * same.times_s[phase] < slow.times_s[phase] <= 2 * same.times_s[phase], phase
+
+
+def _fits_with(base, fmt, host_gib, state_ranks):
+    cfg = make_cfg([*base, *fmt.overrides().split()])
+    plan = build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=host_gib, on_gpu=True, check=False,
+                      state_ranks=state_ranks)
+    return not plan.problem()
+
+
+def test_the_formats_a_sharded_refusal_suggests_are_planned_with_the_shards():
+    """qwen14b over 2 ranks of an H200 host: each rank holds half the host state, so formats fit that would not fit
+    one rank's share of the host unsharded; the refusal lists the most precise of those, and a depth-truncated run's
+    full-depth figures are planned sharded too."""
+    from engine.formats import StateFormat, all_formats
+    from engine.trainer import depth_truncated
+
+    base = ["model=qwen14b", "engine=stream", "hardware=h200", "train=throughput", "plan=true"]
+    cfg = make_cfg(base)
+    host_gib = 125.0 / 2
+    plan = build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=host_gib, on_gpu=True, check=False,
+                      state_ranks=2)
+    assert plan.problem()
+    smaller = [f for f in all_formats(256) if f.bytes_per_param() < StateFormat().bytes_per_param()]
+    fitting = [f for f in smaller if _fits_with(base, f, host_gib, 2)][:3]
+    assert len(fitting) == 3 and [s.split(": fits with ")[1].split(" engine.")[0].split(":")[0]
+                                  for s in plan.suggestions] == [f.overrides() for f in fitting]
+    truncated = make_cfg([*base, "model.num_hidden_layers=4"])
+    full = depth_truncated(truncated, 48, 139.0, host_gib, True, state_ranks=2)
+    assert full["full_depth_formats_that_fit"] == plan.suggestions
