@@ -348,3 +348,15 @@ def test_import_into_a_low_precision_format_rounds_to_nearest(engine, tmp_path):
         assert not any(t.any() for t in opt.m + opt.v) and not any(s.any() for s in opt.m_scales + opt.v_scales)
     finally:
         tr.engine.close()
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(bad_value, tmp_path):
+    """A NaN or Inf in an imported tensor is found as the tensor is read, not later as skipped steps."""
+    model = hf_model("qwen2")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] = bad_value
+    path = save_hf(model, tmp_path / "bad", torch.float32, None)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor model.layers.1.mlp.down_proj.weight has 1 "
+                                              r"non-finite value"):
+        Trainer(make_cfg([*BASE, f"model.init=hf:{path}"]), tmp_path / "run")

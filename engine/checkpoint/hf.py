@@ -444,23 +444,37 @@ def open_hf(spec, hf_dir: str | Path) -> HFCheckpoint:
     return ckpt
 
 
+def _check_finite(tensor: torch.Tensor, path, name: str) -> None:
+    """A NaN or Inf in a weight would only show later, as skipped steps blamed on the learning rate: refuse it here,
+    as the tensor streams in (one reduction over a tensor already in memory)."""
+    bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+    if bad:
+        raise CheckpointError(f"{path}: tensor {name} has {bad} non-finite value{'s' if bad > 1 else ''} (NaN or "
+                              "Inf); the checkpoint is damaged or was saved from a diverged run")
+
+
 def _produce(ckpt: HFCheckpoint, readers: Readers, name: str) -> torch.Tensor:
     """Our tensor `name` from the checkpoint: peak extra memory is that tensor in the file's dtype (bf16 for MXFP4,
     which holds every decoded value exactly) plus one of its parts."""
     recipe = ckpt.recipes[name]
 
     def read(part: Part) -> torch.Tensor:
-        return readers(ckpt.tensors[part.name][0]).get(part.name)
+        tensor = readers(ckpt.tensors[part.name][0]).get(part.name)
+        if tensor.is_floating_point():
+            _check_finite(tensor, ckpt.tensors[part.name][0], part.name)
+        return tensor
 
     if recipe.kind == "copy":
         return read(recipe.parts[0])
     if recipe.kind == "mxfp4":
         blocks_part, scales_part = recipe.parts
         try:
-            return mxfp4.decode_experts(read(blocks_part), read(scales_part), torch.bfloat16,
-                                        "cuda" if torch.cuda.is_available() else None)
+            decoded = mxfp4.decode_experts(read(blocks_part), read(scales_part), torch.bfloat16,
+                                           "cuda" if torch.cuda.is_available() else None)
         except ValueError as e:
             raise CheckpointError(f"{ckpt.tensors[scales_part.name][0]}: tensor {scales_part.name}: {e}") from None
+        _check_finite(decoded, ckpt.tensors[scales_part.name][0], f"{blocks_part.name} (decoded with its scales)")
+        return decoded
     k, rows = recipe.per_expert, recipe.parts[0].shape[0]
     dtype = ST_DTYPES[ckpt.tensors[recipe.parts[0].name][1].dtype]
     out = torch.empty((len(recipe.parts) // k, k * rows, *recipe.parts[0].shape[1:]), dtype=dtype)
