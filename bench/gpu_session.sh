@@ -86,7 +86,7 @@ for stage in "$@"; do
     workertests) timeout 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider tests/test_compile_workers.py \
                    > "$OUT/gpu_compile_workers_tests.log" 2>&1; tail -6 "$OUT/gpu_compile_workers_tests.log" ;;
     calibrate) card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00' | tr H h)
-               timeout 420 python3 bench/calibrate.py --base conf/hardware/$card.yaml --out "$OUT/$card.yaml" \
+               timeout 420 python3 -m engine.calibrate --base conf/hardware/$card.yaml --out "$OUT/$card.yaml" \
                  ${MOE_MODEL:+--moe-model $MOE_MODEL} --width-models "${WIDTH_MODELS-qwen3b,qwen14b,qwen72b}" \
                  --jsonl "$OUT/calibrate.jsonl" 2>&1 | tail -18
                [ -s "$OUT/$card.yaml" ] && cp "$OUT/$card.yaml" conf/hardware/$card.yaml ;;  # later stages plan with it

@@ -1,8 +1,9 @@
-"""bench/calibrate.py on the CPU: a tiny layer in eager mode writes a profile the schema accepts, keeps the base
+"""engine/calibrate.py (`python -m engine.calibrate`) on the CPU: a tiny layer in eager mode writes a profile the schema accepts, keeps the base
 profile's other fields, writes 0 for the figures that need CUDA, and refuses bad arguments before measuring."""
 
-import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,16 +21,18 @@ EAGER = ("fwd_tflops_eager", "bwd_tflops_eager", "head_tflops_eager")
 NEEDS_CUDA = ("h2d_gbps", "d2h_gbps", "bidir_gbps", "cpu_adam_gparams_per_s_under_pcie")
 
 
-def load_calibrate():
-    spec = importlib.util.spec_from_file_location("calibrate", ROOT / "bench" / "calibrate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_runs_as_a_module_of_the_package():
+    proc = subprocess.run([sys.executable, "-m", "engine.calibrate", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m engine.calibrate") and "--width-models" in proc.stdout
 
 
 @pytest.fixture(scope="module")
 def calibrate():
-    return load_calibrate()
+    from engine import calibrate as module
+
+    return module
 
 
 def test_writes_a_profile_from_the_base(calibrate, tmp_path, monkeypatch):
@@ -48,7 +51,7 @@ def test_writes_a_profile_from_the_base(calibrate, tmp_path, monkeypatch):
 
     figures = calibrate.main([*TINY, "--base", str(base_path), "--out", str(out), "--jsonl", str(jsonl)])
 
-    assert out.read_text().startswith("# Written by bench/calibrate.py")
+    assert out.read_text().startswith("# Written by engine/calibrate.py")
     profile = OmegaConf.to_container(OmegaConf.load(out))
     for key in EAGER + ("cpu_adam_gparams_per_s", "host_process_gib"):
         assert profile[key] > 0, key

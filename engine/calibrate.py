@@ -1,7 +1,7 @@
 """Calibration: measure the machine this runs on and write a hardware profile for the planner.
 
-    python bench/calibrate.py --out conf/hardware/h200_calibrated.yaml --jsonl bench/results/calibrate.jsonl
-    python bench/calibrate.py --model tiny --micro-batch 1 --seq-len 64 --modes eager --out /tmp/cpu.yaml  # any CPU
+    python -m engine.calibrate --out conf/hardware/h200_calibrated.yaml --jsonl bench/results/calibrate.jsonl
+    python -m engine.calibrate --model tiny --micro-batch 1 --seq-len 64 --modes eager --out /tmp/cpu.yaml  # any CPU
 
 The planner (engine/plan.py) predicts a step from a profile's figures. A figure fitted on the very run it then
 predicts proves nothing, so every figure here comes from small, separate measurements of the pieces a streamed
@@ -79,15 +79,12 @@ import json
 import math
 import os
 import statistics
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's engine, installed or not
 
 import torch
 import yaml
@@ -121,7 +118,7 @@ def log(line: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m engine.calibrate", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen7b", help="a model of conf/model/ (default: qwen7b)")
     ap.add_argument("--micro-batch", type=int, default=2, help="sequences per layer call (default: 2)")
@@ -570,7 +567,7 @@ def write_profile(args: argparse.Namespace, figures: dict[str, float], not_measu
                                for width in figures["layer_widths"]]
     profile["calibration"] = calibration
     measured = [k for k in figures if k not in not_measured]
-    header = [f"# Written by bench/calibrate.py ({calibration}).",
+    header = [f"# Written by engine/calibrate.py ({calibration}).",
               f"# Measured here: {', '.join(measured)}; every other field is copied from {_shown(args.base)}."]
     if not_measured:
         header.append(f"# No CUDA device: {', '.join(not_measured)} were not measured and are written as 0.")
