@@ -1,7 +1,7 @@
 """Time variants of streamtrain_kernels/adamw_update.py side by side in one process: patched copies of the module.
 
-    python bench/ablate_adamw_update.py --out bench/results/adamw_ablation.jsonl
-    python bench/ablate_adamw_update.py --variants shipped,no_register_cap --base-tree /tmp/base --out ...
+    python -m bench.ablate_adamw_update --out bench/results/adamw_ablation.jsonl
+    python -m bench.ablate_adamw_update --variants shipped,no_register_cap --base-tree /tmp/base --out ...
 
 Each variant is the module's source with one textual change (VARIANTS: name -> (what it changes, old, new)),
 written to a temporary file and imported as a module of its own, so its Triton kernel compiles apart from the
@@ -18,15 +18,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_adamw_update import copy_time_ms, make_state, step_fn, timer, update_bytes  # noqa: E402
-from kernel_bench import ROOT, layer_layout, require_gpu  # noqa: E402
+from bench.bench_adamw_update import copy_time_ms, make_state, step_fn, timer, update_bytes
+from bench.kernel_bench import ROOT, layer_layout, require_gpu
 
-SOURCE = ROOT / "engine" / "kernels" / "adamw_update.py"
+SOURCE = ROOT / "streamtrain_kernels" / "adamw_update.py"
+# where a checkout keeps the kernel: trees older than the streamtrain_kernels package kept it under engine/
+KERNEL_PLACES = ("streamtrain_kernels/adamw_update.py", "engine/kernels/adamw_update.py")
 FORMATS = ["bf16/int8", "fp32/int8", "bf16/bf16", "fp32/fp32", "bf16/fp32", "fp32/bf16"]
 VARIANTS = {
     "shipped": ("the module as it is", None, None),
@@ -56,9 +56,9 @@ def variant_sources(names, base_tree: Path | None) -> dict:
             raise SystemExit(f"ablate_adamw_update: variant {name!r} no longer applies: {old!r} is not in {SOURCE}")
         out[name] = (desc, text if old is None else text.replace(old, new))
     if base_tree is not None:
-        base = base_tree / "engine" / "kernels" / "adamw_update.py"
-        if not base.exists():
-            raise SystemExit(f"ablate_adamw_update: --base-tree {base_tree} has no streamtrain_kernels/adamw_update.py")
+        base = next((base_tree / place for place in KERNEL_PLACES if (base_tree / place).exists()), None)
+        if base is None:
+            raise SystemExit(f"ablate_adamw_update: --base-tree {base_tree} has none of {', '.join(KERNEL_PLACES)}")
         out["base"] = (f"the kernel of {base_tree}", base.read_text())
     return out
 

@@ -1,15 +1,15 @@
 """Benchmark streamtrain_kernels/adamw_update.py, every state format, at the decoder-layer sizes of qwen7b/32b/72b.
 
-    python bench/bench_adamw_update.py --out bench/results/adamw_update.jsonl
-    python bench/bench_adamw_update.py --out bench/results/adamw_update_sweep.jsonl --sweep   # other TILE / warps
-    python bench/bench_adamw_update.py --cpu --numel 20000 --out /tmp/adamw.jsonl   # logic check, interpreter
+    python -m bench.bench_adamw_update --out bench/results/adamw_update.jsonl
+    python -m bench.bench_adamw_update --out bench/results/adamw_update_sweep.jsonl --sweep   # other TILE / warps
+    python -m bench.bench_adamw_update --cpu --numel 20000 --out /tmp/adamw.jsonl   # logic check, interpreter
 
 Layer sizes come from the project config (`kernel_bench.layer_layout`: qwen7b 233 M, qwen32b 488 M, qwen72b 878 M
 parameters per decoder layer); `--numel N` replaces them with one synthetic unit of N elements. One call = one
 AdamW step over a whole layer's flat state with `weights_out` (the bf16 compute weights), fp32 gradient, weight
 decay on the matrices (`layout_segments`). Bandwidth = bytes read + written per second (`bytes_per_param` of the
 format times the layer's elements, plus the int8 scales); `copy_gbps` is a device-to-device `copy_` moving the same
-number of bytes (read + write), timed in the same run, and `frac_of_copy` the kernel's share of it (the issue's
+number of bytes (read + write), timed in the same run, and `frac_of_copy` the kernel's share of it (the
 target: >= 0.85 in every format). `match` says the kernel's state equals the torch reference's bit for bit on the
 first 2**20 elements after one step. Times: medians of triton.testing.do_bench (GPU) or of a few calls (--cpu).
 Rows carry the GPU name, torch / triton versions, git sha (STREAMTRAIN_GIT_SHA wins) and date of
@@ -22,12 +22,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import MODELS, ROOT, layer_layout, require_gpu, write_rows  # noqa: E402
+from bench.kernel_bench import MODELS, ROOT, layer_layout, require_gpu, write_rows
 
 FORMATS = [("fp32", "fp32"), ("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "bf16"), ("fp32", "int8"), ("bf16", "int8")]
 SWEEP = [(256, 1), (256, 2), (512, 2), (1024, 4), (1024, 8), (2048, 8), (4096, 8)]

@@ -1,7 +1,7 @@
 """Attention kernel benchmark: streamtrain_kernels/attention.py against torch SDPA's flash backend, fwd+bwd, one GPU.
 
-    python bench/bench_attention.py --out bench/results/attention.jsonl
-    python bench/bench_attention.py --seq-lens 8192 32768 --cases qwen7b      # a subset
+    python -m bench.bench_attention --out bench/results/attention.jsonl
+    python -m bench.bench_attention --seq-lens 8192 32768 --cases qwen7b      # a subset
 
 Cases (B = 1, bf16, causal):
   qwen7b   Hq=28, Hkv=4, D=128 (Qwen2.5-7B)                       kernel and SDPA (flash backend, enable_gqa)
@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 CASES = {
     "qwen7b": dict(heads=28, kv_heads=4, head_dim=128, window=None, sinks=False, sdpa=True),

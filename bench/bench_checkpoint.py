@@ -1,7 +1,7 @@
 """Checkpoint benchmark: HF import / export and training-state save / load, timed, with peak host memory per phase.
 
-    python bench/bench_checkpoint.py --model qwen7b --out bench/results/checkpoint.jsonl     # the GPU machine
-    python bench/bench_checkpoint.py --model tiny --out /tmp/checkpoint.jsonl                # seconds, any machine
+    python -m bench.bench_checkpoint --model qwen7b --out bench/results/checkpoint.jsonl     # the GPU machine
+    python -m bench.bench_checkpoint --model tiny --out /tmp/checkpoint.jsonl                # seconds, any machine
 
 Phases, one JSONL row each:
 1. `hf_write`: a random model of the chosen shape is written as an HF checkpoint (bf16, 5 GiB shards) by the
@@ -31,13 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from engine import checkpoint
+from engine.metrics import host_peak_rss_gib, host_rss_gib, run_environment
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from engine import checkpoint  # noqa: E402
-from engine.metrics import host_peak_rss_gib, host_rss_gib, run_environment  # noqa: E402
 
 
 def reset_peak() -> bool:

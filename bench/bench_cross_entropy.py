@@ -1,7 +1,7 @@
 """Fused LM head + cross-entropy (streamtrain_kernels/cross_entropy.py) against the unfused torch chains, fwd+bwd, one GPU.
 
-    python bench/bench_cross_entropy.py --out bench/results/cross_entropy.jsonl
-    python bench/bench_cross_entropy.py --tokens 8192 --hidden 3584 --sweep      # + row-kernel launch configs
+    python -m bench.bench_cross_entropy --out bench/results/cross_entropy.jsonl
+    python -m bench.bench_cross_entropy --tokens 8192 --hidden 3584 --sweep      # + row-kernel launch configs
 
 Cases: Qwen2.5 heads, V = 152064, D = 3584 (7B) and 2048 (3B), N = 4K, 8K, 16K, 32K tokens, bf16. Three ways to
 compute loss = sum_i CE(h_i W^T, label_i) / N and its gradients (torch.autograd.grad for h and W):
@@ -31,7 +31,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 VOCAB = 152064
 HIDDEN = [3584, 2048]

@@ -1,6 +1,6 @@
 """Engine benchmark: run a named grid of training jobs, one fresh process each, and write one JSONL row per job.
 
-    python bench/bench_engine.py --grid stream7b --out bench/results/engine.jsonl
+    python -m bench.bench_engine --grid stream7b --out bench/results/engine.jsonl
 
 Each job is `python train.py <overrides> logger=none hydra.run.dir=<workdir>/<job>` (a job whose first override
 is `nproc=N` runs under `torchrun --standalone --nproc_per_node=N` instead: data parallel over N GPUs); the row is
@@ -22,10 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from engine.report import run_row
 
-from engine.report import run_row  # noqa: E402  (after the path insert)
+ROOT = Path(__file__).resolve().parent.parent
 
 SEQ = "train.seq_len=4096"
 THROUGHPUT = ["train=throughput", "data=stdlib"]
@@ -41,14 +40,14 @@ GRIDS = {
                                   "train.grad_accum=4", "engine.grads_tier=host", "engine.activation_tier=host",
                                   "engine.cache_weights=off"]),
     ],
-    # issue 2: the all-on-GPU baseline at the largest micro-batch that fits, seq 4096
+    # the all-on-GPU baseline at the largest micro-batch that fits, seq 4096
     "reference": [
         ("qwen3b-reference-mb8", ["model=qwen3b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=4",
                                   "train.micro_batch_size=8", "train.grad_accum=1"]),
         ("qwen7b-reference-mb2", ["model=qwen7b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=4",
                                   "train.micro_batch_size=2", "train.grad_accum=1"]),
     ],
-    # issue 3: qwen7b streamed at 64K tokens per step, next to the reference at the same tokens per step
+    # qwen7b streamed at 64K tokens per step, next to the reference at the same tokens per step
     "stream7b": [
         ("qwen7b-stream-64k", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=10",
                                "train.micro_batch_size=2", "train.grad_accum=8"]),
@@ -57,7 +56,8 @@ GRIDS = {
         ("qwen3b-stream-32k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                "train.micro_batch_size=8", "train.grad_accum=1"]),
     ],
-    # issue 10: the planner's placement (GPU-updated leading units, compiled templates) at 64K and 16K tokens/step
+    # the planner's placement (GPU-updated leading units): at 64K tokens per step in eager templates with the Triton
+    # gradient accumulation and with torch's, next to the compiled reference; at 16K compiled
     "perf7b": [
         ("qwen7b-stream-64k-auto", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
                                     "train.micro_batch_size=2", "train.grad_accum=8", "train.compile=off"]),
@@ -69,8 +69,8 @@ GRIDS = {
         ("qwen7b-stream-16k-auto", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                     "train.micro_batch_size=2", "train.grad_accum=2"]),
     ],
-    # issue 17: stream (planner's three-place split) next to the compiled reference at 64K and 16K tokens per step
-    "perf17": [
+    # stream (the planner's three-place split) next to the compiled reference at 64K and 16K tokens per step
+    "stream_vs_reference": [
         ("qwen7b-stream-64k", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
                                "train.micro_batch_size=2", "train.grad_accum=8"]),
         ("qwen7b-reference-64k", ["model=qwen7b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=4",
@@ -80,14 +80,14 @@ GRIDS = {
         ("qwen7b-reference-16k", ["model=qwen7b", "engine=reference", *THROUGHPUT, SEQ, "train.steps=6",
                                   "train.micro_batch_size=2", "train.grad_accum=2"]),
     ],
-    # issue 17: qwen3b at 32K tokens per step, next to the peers measured in the same call (`--peers`)
+    # qwen3b at 32K tokens per step, next to the peers measured in the same call (`--peers`)
     "compare3b": [
         ("qwen3b-stream-32k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                "train.micro_batch_size=8", "train.grad_accum=1"]),
     ],
-    # issue 17: the planner on configurations the calibration (qwen7b layer, 2 x 4096, bench/calibrate.py) never saw
-    # (with compare3b's row, seven); qwen3b-stream-32k again with the planner's kept graphs
-    "planner17": [
+    # the planner on configurations the calibration (qwen7b layer, 2 x 4096, engine/calibrate.py) never saw: other
+    # widths, eager templates, four sequences a micro-batch, a 24 GB cap (with compare3b's row, seven)
+    "planner_unseen": [
         ("qwen3b-stream-32k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                "train.micro_batch_size=8", "train.grad_accum=1"]),
         ("qwen3b-stream-64k-eager", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
@@ -101,8 +101,8 @@ GRIDS = {
         ("qwen3b-stream-16k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                "train.micro_batch_size=2", "train.grad_accum=2"]),
     ],
-    # issue 17: layers whose forward graph is kept (no recompute) at 64K tokens per step, next to the planner's default
-    "kept17": [
+    # layers whose forward graph is kept (no recompute) at 64K tokens per step, next to the planner's default
+    "kept_layers": [
         (f"qwen7b-stream-64k-kept{n}", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=4",
                                         "train.micro_batch_size=2", "train.grad_accum=8",
                                         f"engine.keep_activation_layers={n}"])
@@ -112,9 +112,9 @@ GRIDS = {
                                          "train.micro_batch_size=4", "train.grad_accum=4",
                                          "engine.keep_activation_layers=2"]),
     ],
-    # issue 16: the paths the review asked to see complete on the GPU: a 24 GB cap, and gradients on the host with
-    # every unit updated by the host AdamW (the last gradient D2H is still in flight when the step's timer is read)
-    "housekeeping": [
+    # the paths a full-GPU run never takes: a 24 GB cap, and gradients on the host with every unit updated by the host
+    # AdamW (the last gradient D2H is still in flight when the step's timer is read)
+    "capped_host_grads": [
         ("qwen7b-stream-capped24gb-16k", ["model=qwen7b", "engine=stream", "hardware.gpu_mem_cap_gib=24", *THROUGHPUT,
                                           SEQ, "train.steps=6", "train.micro_batch_size=1", "train.grad_accum=4"]),
         ("qwen3b-stream-hostgrads-hostadam-32k", ["model=qwen3b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
@@ -124,13 +124,13 @@ GRIDS = {
                                                   "train.micro_batch_size=2", "train.grad_accum=2",
                                                   "engine.grads_tier=host", "engine.gpu_resident_units=0"]),
     ],
-    # issue 18: full-depth qwen14b and qwen32b in bf16 master + int8 moments + bf16 gradients (conf/experiment)
-    "capacity18": [
+    # full-depth qwen14b and qwen32b in bf16 master + int8 moments + bf16 gradients (conf/experiment)
+    "capacity_bf16_int8": [
         ("qwen14b-stream-64k-bf16-int8", ["+experiment=qwen14b_h200", "data=stdlib", "train.steps=5"]),
         ("qwen32b-stream-16k-bf16-int8", ["+experiment=qwen32b_h200", "data=stdlib", "train.steps=5"]),
     ],
-    # issue 5: qwen7b, one sequence per step, the Triton attention (train.attention=auto) and SDPA side by side
-    "context5": [
+    # qwen7b, one sequence per step, the Triton attention (train.attention=auto) and SDPA side by side
+    "context_attention": [
         (f"qwen7b-stream-ctx{T // 1024}k{suffix}",
          ["model=qwen7b", "engine=stream", *THROUGHPUT, f"train.seq_len={T}", "model.max_position_embeddings=524288",
           "train.micro_batch_size=1", "train.grad_accum=1", f"train.steps={steps}", *extra])
@@ -140,9 +140,9 @@ GRIDS = {
                                         (32768, 4, "-sdpa", ["train.attention=sdpa"]),
                                         (8192, 5, "-triton", ["train.attention=triton"])]
     ],
-    # issue 5: the context sweep's lengths (conf/sweep/context.yaml) from 4K to 128K in fp32 state and 256K with int8
+    # the context sweep's lengths (conf/sweep/context.yaml) from 4K to 128K in fp32 state and 256K with int8
     # moments and bf16 gradients, train.attention=auto, planned with a profile calibrated in the same call
-    "ctxsweep5": [
+    "context_sweep": [
         (f"qwen7b-stream-sweep{T // 1024}k{'-int8' if extra else ''}",
          ["model=qwen7b", "engine=stream", *THROUGHPUT, f"train.seq_len={T}", "model.max_position_embeddings=524288",
           "train.micro_batch_size=1", "train.grad_accum=1", f"train.steps={steps}", *extra])
@@ -151,37 +151,37 @@ GRIDS = {
                                 (262144, 2, ["train.moments_dtype=int8", "train.grad_dtype=bf16",
                                              "data.val_fraction=0.06"])]
     ],
-    # issue 8: MoE through the streaming engine (conf/experiment): gpt-oss-120b at its width (4 of 36 layers),
+    # MoE through the streaming engine (conf/experiment): gpt-oss-120b at its width (4 of 36 layers),
     # gpt-oss-20b and Qwen3-30B-A3B at full depth; eager first (the compiled MoE layer is unmeasured on a GPU)
-    "moe8": [
+    "moe": [
         (f"{name}-stream-16k{suffix}", [f"+experiment={experiment}", "data=stdlib", "train.steps=4", *extra])
         for name, experiment in [("gptoss120b-4l", "gptoss120b_4l_h200"), ("gptoss20b", "gptoss20b_h200"),
                                  ("qwen3-30b-a3b", "qwen3_30b_a3b_h200")]
         for suffix, extra in [("-eager", ["train.compile=off"]), ("-compiled", ["train.compile=on"])]
     ],
-    # issue 7: qwen14b in fp32 at full depth with the moments of 18 layers in the NVMe tier (/tmp on the device)
-    "nvme7": [
+    # qwen14b in fp32 at full depth with the moments of 18 layers in the NVMe tier (/tmp on the device)
+    "nvme_qwen14b": [
         ("qwen14b-stream-64k-fp32-nvme", ["+experiment=qwen14b_fp32_nvme_h200", "hardware.nvme_dir=/tmp/nvme",
                                           "data=stdlib", "train.steps=3"]),
     ],
-    # issue 7: the NVMe tier's cost on a model the host holds: qwen7b in fp32, the same run with the moments of 0
+    # the NVMe tier's cost on a model the host holds: qwen7b in fp32, the same run with the moments of 0
     # and of 4 host-updated layers on disk (fits an H100 as well as the H200)
-    "nvme7ab": [
+    "nvme_vs_ram": [
         (f"qwen7b-stream-64k-nvme{n}", ["+experiment=qwen7b_stream_64k", "data=stdlib", "train.steps=6",
                                         "hardware.nvme_dir=/tmp/nvme", "hardware.nvme_gib=60",
                                         "hardware.nvme_gbps=2.0", f"engine.nvme_units={n}"])
         for n in (0, 4)
     ],
-    # issue 9: data parallel over 1, 2, 4, 8 GPUs of one host, 4 sequences of 4096 per GPU and step (weak scaling);
+    # data parallel over 1, 2, 4, 8 GPUs of one host, 4 sequences of 4096 per GPU and step (weak scaling);
     # the fp32 state is sharded over the ranks (engine/distributed.py), each planning in 1/n of the host's RAM (the
     # machine's, hardware.host_mem_gib=0: the card profiles describe the one-GPU machine's host)
-    "dp9": [
+    "data_parallel": [
         (f"qwen7b-stream-dp{n}", [f"nproc={n}", "model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                    "train.micro_batch_size=2", f"train.grad_accum={2 * n}",
                                    "hardware.host_mem_gib=0"])
         for n in (1, 2, 4, 8)
     ],
-    # issue 3: the same model on a GPU capped at 24 GB (host RAM limits this one to 16K tokens per step)
+    # qwen7b streamed on a GPU capped at 24 GB (host RAM limits this one to 16K tokens per step)
     "rtx3090": [
         ("qwen7b-stream-rtx3090-16k", ["model=qwen7b", "engine=stream", "hardware=rtx3090", "hardware.other_card=true",
                                        *THROUGHPUT, SEQ,

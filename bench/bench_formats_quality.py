@@ -1,15 +1,15 @@
 """Training quality of the low-precision state formats: the same model, seed and data in each format, side by side.
 
-    python bench/bench_formats_quality.py --out bench/results/formats_quality.jsonl --workdir /tmp/quality
-    python bench/bench_formats_quality.py --plot bench/results/formats_quality.jsonl --png docs/formats_quality.png
+    python -m bench.bench_formats_quality --out bench/results/formats_quality.jsonl --workdir /tmp/quality
+    python -m bench.bench_formats_quality --plot bench/results/formats_quality.jsonl --png docs/formats_quality.png
 
 Each format is one `train.py` run of `engine=reference` (the plain-PyTorch run of the format: engine/reference.py)
 on the byte-level standard-library corpus (real text), all started at once so that they advance together on one
 GPU: a run cut short by the time limit leaves its validation curve up to the same step as the others, and the
 comparison at the last step every run reached stays fair. One row per format: the validation and training curves,
 the final validation loss and `ratio_vs_fp32` (final validation loss over the fp32 run's at the same step), plus
-the machine and versions of `engine.metrics.run_environment`. The issue's bar: bf16 master + bf16 moments within
-1% of fp32, bf16 master + int8 moments within 2%, after at least 16M tokens.
+the machine and versions of `engine.metrics.run_environment`. The bar they are held to: bf16 master + bf16 moments
+within 1% of fp32, bf16 master + int8 moments within 2%, after at least 16M tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ FORMATS = {
     "bf16_master": ["train.master_dtype=bf16"],
     "bf16_moments": ["train.moments_dtype=bf16"],
 }
-DEFAULT_FORMATS = ("fp32", "bf16", "int8")  # the issue's bar; the others on request (--formats)
+DEFAULT_FORMATS = ("fp32", "bf16", "int8")  # the formats with a quality bar; the others on request (--formats)
 LABELS = {"fp32": "fp32 master + moments + grads", "bf16": "bf16 master + bf16 moments",
           "int8": "bf16 master + int8 moments + bf16 grads", "fp32_kernel": "fp32 state, the fused kernel's update",
           "bf16_master": "bf16 master + fp32 moments", "bf16_moments": "fp32 master + bf16 moments"}
@@ -56,7 +56,6 @@ def read_run(run_dir: Path) -> dict:
 
 
 def run(args) -> None:
-    sys.path.insert(0, str(ROOT))
     from engine.metrics import run_environment
 
     meta = run_environment()

@@ -1,8 +1,8 @@
 """Benchmark streamtrain_kernels/grad_accum.py against the best plain-torch way, at the decoder-layer sizes of
 qwen7b/32b/72b.
 
-    python bench/bench_grad_accum.py --out bench/results/grad_accum.jsonl
-    python bench/bench_grad_accum.py --out bench/results/grad_accum_sweep.jsonl --sweep
+    python -m bench.bench_grad_accum --out bench/results/grad_accum.jsonl
+    python -m bench.bench_grad_accum --out bench/results/grad_accum_sweep.jsonl --sweep
 
 Conventions of bench/kernel_bench.py (medians of do_bench, bandwidth = bytes read + written per second, the copy
 rate measured in the same run, `torch_impl` naming the fastest torch way); `--sweep` also times the other BLOCK /
@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import (MODELS, ROOT, best_torch, copy_gbps, layer_layout, print_table, require_gpu,  # noqa: E402
+from bench.kernel_bench import (MODELS, ROOT, best_torch, copy_gbps, layer_layout, print_table, require_gpu,
                           row, time_ms, write_rows)
-from engine.metrics import run_environment  # noqa: E402
+from engine.metrics import run_environment
 
 SWEEP = [(4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8), (16384, 16)]  # (BLOCK, num_warps)
 

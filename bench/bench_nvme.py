@@ -6,22 +6,18 @@ pipeline (next unit's read and previous unit's write in flight while one is "upd
 I/O, buffered with pages dropped): GB/s of reads + writes over the pass, and how much the kernel's page cache
 (`Cached` in /proc/meminfo) grew during it, which is what the tier must keep small.
 
-    python bench/bench_nvme.py --dir /path/on/nvme --out bench/results/nvme_<gpu>_<date>.jsonl
+    python -m bench.bench_nvme --dir /path/on/nvme --out bench/results/nvme_<gpu>_<date>.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from engine.metrics import run_environment  # noqa: E402
-from engine.streaming.nvme import MomentFile, NvmeError  # noqa: E402
+from engine.metrics import run_environment
+from engine.streaming.nvme import MomentFile, NvmeError
 
 
 def cached_gib() -> float:

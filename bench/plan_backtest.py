@@ -1,6 +1,6 @@
 """Re-plan measured engine rows with the current planner: its step and phases against what each row measured.
 
-    python bench/plan_backtest.py bench/results/engine_h200_2026-12-04.jsonl bench/results/engine_h100_2026-12-06.jsonl
+    python -m bench.plan_backtest bench/results/engine_h200_2026-12-04.jsonl bench/results/engine_h100_2026-12-06.jsonl
 
 Each `engine=stream` row that measured a step (`step_s`) with its `placement` and `overrides` is composed again
 from those overrides, with the placement it ran fixed (`engine.gpu_resident_units=...` and the rest), on the profile
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+from engine.hardware import profile_for_gpu
+from engine.plan import GIB
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from engine.hardware import profile_for_gpu  # noqa: E402
-from engine.plan import GIB  # noqa: E402
 
 PLACEMENT_KEYS = ("slots", "keep_activation_layers", "recompute_group", "activation_tier", "grads_tier",
                   "cache_weights", "gpu_resident_units", "gpu_streamed_units", "nvme_units")

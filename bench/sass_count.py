@@ -1,7 +1,7 @@
 """Count the sm_90 instructions of streamtrain_kernels/adamw_update.py's kernel, on a machine without a GPU.
 
-    python bench/sass_count.py                       # every state format
-    python bench/sass_count.py --formats bf16/int8 --ops 25
+    python -m bench.sass_count                       # every state format
+    python -m bench.sass_count --formats bf16/int8 --ops 25
 
 Triton compiles for a `GPUTarget("cuda", 90, 32)` without a driver, and its wheel carries `ptxas`, `cuobjdump` and
 `nvdisasm`, so the SASS a Hopper GPU would run can be read here. The count is of the kernel's path through a full
@@ -22,12 +22,10 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 FORMATS = ["fp32/fp32", "bf16/fp32", "fp32/bf16", "bf16/bf16", "fp32/int8", "bf16/int8"]
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4}\*/")
@@ -125,7 +123,7 @@ def main(argv=None) -> None:
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise SystemExit(f"sass_count: unknown format(s) {bad}; choose from {FORMATS}")
-    mod = full_tile_module(ROOT / "engine" / "kernels" / "adamw_update.py")
+    mod = full_tile_module(ROOT / "streamtrain_kernels" / "adamw_update.py")
     if not args.json:
         print(f"{'format':10} {'registers':>9} {'stack B':>7} {'instr/thread':>12} {'elem/thread':>11} "
               f"{'instr/elem':>10}")

@@ -1,13 +1,7 @@
 """bench/bench_engine.py's ratios: only rows of the same model and tokens per step are compared, every
 comparison is named after the baseline's `system`, and a failed baseline says why instead of giving a number."""
 
-import importlib.util
-from pathlib import Path
-
-SPEC = importlib.util.spec_from_file_location("bench_engine", Path(__file__).resolve().parent.parent / "bench" /
-                                              "bench_engine.py")
-bench_engine = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(bench_engine)
+from bench import bench_engine
 
 
 def _row(engine, model, tokens, tok_s, hardware="h200"):

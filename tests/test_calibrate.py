@@ -1,5 +1,6 @@
-"""engine/calibrate.py (`python -m engine.calibrate`) on the CPU: a tiny layer in eager mode writes a profile the schema accepts, keeps the base
-profile's other fields, writes 0 for the figures that need CUDA, and refuses bad arguments before measuring."""
+"""engine/calibrate.py (`python -m engine.calibrate`) on the CPU: a tiny layer in eager mode writes a profile the
+schema accepts, keeps the base profile's other fields, writes 0 for the figures that need CUDA, and refuses bad
+arguments before measuring."""
 
 import json
 import subprocess

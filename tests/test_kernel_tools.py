@@ -10,15 +10,14 @@ import pytest
 import streamtrain_kernels.adamw_update as A
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))  # the tools are scripts there
 
 
 def test_int8_kernel_compiles_for_sm90_within_its_register_cap():
-    import sass_count
+    from bench import sass_count
 
     if not (sass_count.nvidia_tools_dir() / "nvdisasm").exists():
         pytest.skip(f"no nvdisasm in {sass_count.nvidia_tools_dir()}: this triton wheel lacks the NVIDIA backend")
-    out = subprocess.run([sys.executable, "bench/sass_count.py", "--formats", "bf16/int8,fp32/fp32", "--json"],
+    out = subprocess.run([sys.executable, "-m", "bench.sass_count", "--formats", "bf16/int8,fp32/fp32", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     int8, fp32 = (json.loads(line) for line in out.stdout.splitlines())
@@ -33,9 +32,9 @@ def test_int8_kernel_compiles_for_sm90_within_its_register_cap():
 def test_every_ablation_variant_still_applies_and_loads(tmp_path):
     """bench/ablate_adamw_update.py patches the kernel's source by text: each patch must still find its text, and
     each patched module must import, or the GPU call that times them would fail."""
-    import ablate_adamw_update as ab
+    from bench import ablate_adamw_update as ab
 
-    base = tmp_path / "base" / "engine" / "kernels"
+    base = tmp_path / "base" / "streamtrain_kernels"
     base.mkdir(parents=True)
     (base / "adamw_update.py").write_text(ab.SOURCE.read_text())
     sources = ab.variant_sources(list(ab.VARIANTS), tmp_path / "base")

@@ -1,17 +1,13 @@
 """bench/plan_backtest.py: a measured row re-planned with the placement it ran, on its card's profile."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench import plan_backtest
 from engine.model import ModelSpec
 from engine.plan import build_plan
 from tests.util import make_cfg
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import plan_backtest  # noqa: E402
 
 OVERRIDES = ["model=qwen7b", "engine=stream", "train=throughput", "train.seq_len=4096", "train.micro_batch_size=2",
              "train.grad_accum=8"]

@@ -1,6 +1,6 @@
 """Peer baseline "all state on the GPU": the whole transformers model, its gradients and AdamW state on one GPU.
 
-    python bench/peers/all_on_gpu.py --model qwen7b --micro-batch-size 2 --grad-accum 8 --out bench/results/peers.jsonl
+    python -m bench.peers.all_on_gpu --model qwen7b --micro-batch-size 2 --grad-accum 8 --out bench/results/peers.jsonl
 
 fp32 parameters built directly on the GPU (random init), torch.autocast(bfloat16) around each micro-batch's forward,
 non-reentrant activation checkpointing of every decoder layer, loss / grad_accum per micro-batch, then
@@ -14,14 +14,9 @@ the script, not a measurement. Details shared by all peers (rows, timing, the su
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-
-import common  # noqa: E402
+from bench.peers import common
 
 SYSTEM = "all_on_gpu"
 

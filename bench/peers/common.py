@@ -37,13 +37,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
+
+from engine.metrics import count_params, jsonable, model_flops_per_token, run_environment
+
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from engine.metrics import count_params, jsonable, model_flops_per_token, run_environment  # noqa: E402
 
 GIB = 2**30
 CHILD_ENV = "STREAMTRAIN_PEER_CHILD"
@@ -323,7 +321,7 @@ def base_row(system: str, args: argparse.Namespace, fields: Dict[str, Any]) -> D
         "truncated": fields["truncated"], "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size,
         "grad_accum": args.grad_accum, "tokens_per_step": tokens, "steps": args.steps, "warmup": args.warmup,
         "num_params": count_params(flops_cfg(fields)), "tag": args.tag,
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": " ".join(["python -m", script_module(), *sys.argv[1:]]),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
 
@@ -436,12 +434,17 @@ def run(system: str, args: argparse.Namespace, fields: Dict[str, Any], build: Ca
 # The supervisor: the same script as a child process, so a host-OOM kill still leaves a row
 
 
+def script_module() -> str:
+    """The peer script this process runs, as a module of the repository root (`bench.peers.all_on_gpu`)."""
+    return sys.modules["__main__"].__spec__.name
+
+
 def is_child() -> bool:
     return os.environ.get(CHILD_ENV) == "1"
 
 
 def supervise(system: str, args: argparse.Namespace, fields: Dict[str, Any]) -> int:
-    cmd = [sys.executable, "-u", sys.argv[0], *sys.argv[1:]]
+    cmd = [sys.executable, "-u", "-m", script_module(), *sys.argv[1:]]
     proc = subprocess.Popen(cmd, env={**os.environ, CHILD_ENV: "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     tail: List[str] = []

@@ -1,6 +1,6 @@
 """Peer baseline: DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned host memory, on one GPU.
 
-    python bench/peers/deepspeed_zero3.py --model qwen7b --micro-batch-size 2 --grad-accum 8 --out peers.jsonl
+    python -m bench.peers.deepspeed_zero3 --model qwen7b --micro-batch-size 2 --grad-accum 8 --out peers.jsonl
 
 DeepSpeed is an optional extra (not on the benchmark machine's image; bench/peers/README.md says how to bring it):
 when `import deepspeed` fails, the script writes a row with `"error": "deepspeed not installed"` and exits 0.
@@ -27,13 +27,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-
-import common  # noqa: E402
+from bench.peers import common
 
 SYSTEM = "deepspeed_zero3_offload"
 _KEEP: list = []

@@ -1,6 +1,6 @@
 """Peer baseline: PyTorch FSDP2 with CPU offload on one GPU (parameters, gradients and AdamW state in host RAM).
 
-    python bench/peers/fsdp2_offload.py --model qwen7b --micro-batch-size 2 --grad-accum 8 --out peers.jsonl
+    python -m bench.peers.fsdp2_offload --model qwen7b --micro-batch-size 2 --grad-accum 8 --out peers.jsonl
 
 `fully_shard` on every decoder layer and on the root, each with `CPUOffloadPolicy(pin_memory=True)` and
 `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`, over a 1-rank process group that the script
@@ -26,15 +26,10 @@ smoke test of the script only.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import torch
+import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import common  # noqa: E402
+from bench.peers import common
 
 SYSTEM = "fsdp2_cpu_offload"
 
