@@ -36,6 +36,7 @@ run ends and then vanish). The run's last checkpoint is untouched by any of this
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import threading
 import time
@@ -60,16 +61,27 @@ FILE_PREFIX = "streamtrain-moments-"
 
 def remove_stale_files(directory: str) -> List[Path]:
     """Delete tier files left in `directory` by runs that died without closing (SIGKILL, a machine reset): those
-    whose owning process (the pid in the name) no longer exists on this machine. Returns what was removed."""
+    whose owning process (the pid in the name) does not exist on this machine and whose lock (every MomentFile holds
+    an flock on its file for its life) can be taken. The lock is what protects a live run of another machine on a
+    shared disk, whose pid means nothing here; the kernel drops it when its process dies. Returns what was
+    removed."""
     removed = []
     for path in Path(directory).expanduser().glob(f"{FILE_PREFIX}*.bin"):
         pid = path.name[len(FILE_PREFIX):].split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            try:
-                path.unlink()
-                removed.append(path)
-            except FileNotFoundError:
-                pass
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        try:
+            fd = os.open(path, os.O_RDWR)  # read-write: an exclusive lock over NFS needs a writable descriptor
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path.unlink()
+            removed.append(path)
+        except OSError:  # locked: its run is alive elsewhere (or it was removed meanwhile)
+            pass
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -125,6 +137,14 @@ class MomentFile:
             hint = (" (this filesystem does not support O_DIRECT: set hardware.nvme_direct_io=false for buffered I/O "
                     "that drops its pages after each write)" if direct_io and e.errno == errno.EINVAL else "")
             raise NvmeError(f"cannot create the NVMe tier file {self.path}: {e.strerror}{hint}") from e
+        try:  # held until `_remove`: `remove_stale_files` of other runs leaves a locked file alone
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(self.fd).st_nlink == 0:
+                raise FileNotFoundError(errno.ENOENT, "removed while it was being created")
+        except OSError as e:
+            self._remove()
+            raise NvmeError(f"cannot lock the NVMe tier file {self.path}: {e.strerror} (another run's cleanup of "
+                            f"hardware.nvme_dir={directory} took it as stale; start the run again)") from e
         try:
             os.posix_fallocate(self.fd, 0, self.size)
         except OSError as e:
@@ -252,12 +272,14 @@ class MomentFile:
         return out
 
     def _remove(self) -> None:
-        os.close(self.fd)
-        self.fd = -1
+        """Unlink the file, then close it: the lock is held until the file is gone."""
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        finally:
+            os.close(self.fd)
+            self.fd = -1
 
     def close(self) -> None:
         if self.fd < 0:
