@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from engine import checkpoint
 from engine.checkpoint import CheckpointError, SafetensorsFile
+from engine.checkpoint.state import write_marker
 from engine.config import ConfigError
 from engine.trainer import Trainer
 from tests.util import SMALL, make_cfg
@@ -100,8 +102,9 @@ def test_val_every_minus_one_never_validates(tmp_path):
 def test_format_keep_last_k_and_cleanup(tmp_path):
     root = tmp_path / "checkpoints"
     root.mkdir()
-    (root / "step_2.tmp").mkdir()  # a killed save
-    (root / "step_9").mkdir()  # a step dir without manifest (incomplete)
+    for leftover in ("step_2.tmp", "step_0.deleting"):  # a killed save's and a killed prune's (marked: ours)
+        (root / leftover).mkdir()
+        write_marker(root / leftover)
     Trainer(make_cfg([*RECIPE, "engine=stream", "train.steps=6", "train.checkpoint_every=1",
                       "train.keep_checkpoints=2"]), tmp_path).run()
     assert sorted(p.name for p in root.iterdir()) == ["step_5", "step_6"]
@@ -131,10 +134,11 @@ def test_resume_auto_starts_fresh_then_skips_incomplete_and_cleans_up(tmp_path):
     assert tr.start_step == 0  # nothing to resume from: a fresh start
     tr.run()
     root = tmp_path / "checkpoints"
-    # a newer step dir whose manifest never got written, and a killed save's leftover: ignored, then removed
-    (root / "step_7").mkdir()
-    (root / "step_7" / "unit_0000_embed.safetensors").write_bytes(b"partial")
-    (root / "step_3.tmp").mkdir()
+    # killed saves' leftovers (marked: ours), a newer one with a partial unit file: ignored, then removed
+    for leftover in ("step_7.tmp", "step_3.tmp"):
+        (root / leftover).mkdir()
+        write_marker(root / leftover)
+    (root / "step_7.tmp" / "unit_0000_embed.safetensors").write_bytes(b"partial")
     tr = _trainer(tmp_path, *run)
     assert tr.start_step == 2
     tr.run()
@@ -201,7 +205,11 @@ def test_missing_manifest_is_refused_naming_it(saved):
     (step / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match=f"{step / 'manifest.json'}: missing"):
         _resume(saved, f"train.resume={step}")
-    tr = _resume(saved, "train.resume=auto")  # auto: step_4 is incomplete, step_2 is the newest complete one
+    previous = saved / "checkpoints" / "step_2"
+    with pytest.raises(CheckpointError, match=re.escape(f"{step / 'manifest.json'}: missing") + ".*"
+                       + re.escape(f"train.resume={previous}")):
+        _resume(saved, "train.resume=auto")  # a step dir gets its name after its manifest: damage, not passed over
+    tr = _resume(saved, f"train.resume={previous}")
     assert tr.start_step == 2
     tr.engine.close()
 
@@ -299,7 +307,7 @@ def test_failed_save_leaves_no_tmp_dir_and_the_previous_checkpoint_newest(saved,
                 checkpoint.save_training_state(tr.engine, root, 6, {"lr_schedule": {"next_lr": bad}})
         assert len(calls) == 3  # refused before any unit file was written
     finally:
-        tr.engine.close()
+        tr.close()
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"]
     assert checkpoint.list_checkpoints(root)[0][-1] == (4, root / "step_4")
     checkpoint.open_training_state(root / "step_4")

@@ -2,9 +2,10 @@
 
 Modules: `safetensors_io` (reading through the `safetensors` library, an own streaming writer that hashes while
 it writes; format: shared/reference/models.md §2.2), `hf` (config.json comparison, import, export), `state`
-(training-state save / verify / load, run fingerprint, RNG state, listing and pruning), `cli` (`python -m
-engine.checkpoint export|verify`), `common` (CheckpointError, the JSON reader). Every name other modules use is
-re-exported here; file writing goes through engine/fileio.py (fsync, sha256, strict JSON).
+(training-state save / verify / load, run fingerprint, RNG state, listing and pruning), `lock` (one run at a
+time per run dir and checkpoint root), `cli` (`python -m engine.checkpoint export|verify`), `common`
+(CheckpointError, the JSON reader). Every name other modules use is re-exported here; file writing goes through
+engine/fileio.py (fsync, sha256, strict JSON).
 
 1. HF import (`model.init=hf:<dir>`). `open_hf` reads `<dir>/config.json` (old and new spellings: `torch_dtype` /
    `dtype`, top-level `rope_theta`/`rope_scaling` / v5 `rope_parameters`), compares every architecture field with
@@ -45,6 +46,7 @@ re-exported here; file writing goes through engine/fileio.py (fsync, sha256, str
            unit_0001_layer0.safetensors         "exp_avg_sq.<hf name>" (fp32; the moments are absent before the
            ...                                  first update of the reference engine); metadata: unit, adam_step
            unit_<L+1>_head.safetensors
+           .streamtrain                         the marker, written first: {written_by, format, pid, host, created}
            trainer_state.json                   step, data position, LR-schedule inputs, torch/numpy/python (and
                                                 CUDA) RNG states (base64), Adam step per unit, skipped-step
                                                 counters, tokens seen, validation losses, run fingerprint, config
@@ -54,17 +56,40 @@ re-exported here; file writing goes through engine/fileio.py (fsync, sha256, str
    engine), with the sha256 computed on the bytes as they are written: no copy of the model is made. Unit files
    are written through this package's `write_safetensors`, looked up at each save, so that replacing that one
    name (tests/test_faults.py slows it down) affects every save. Atomicity: everything goes into
-   `step_<N>.tmp/`, each file is fsynced, then the directory, then it is renamed to `step_<N>` and the parent is
-   fsynced. A `step_<N>` directory therefore either has a manifest describing complete files or was damaged
-   afterwards. A trainer state that strict JSON cannot hold (NaN, infinity) is refused before any unit is
-   written, and an error during the save removes `step_<N>.tmp/`, so the previous checkpoint stays the newest;
-   leftovers of a killed or signal-aborted save (`*.tmp`, and `*.deleting` from an interrupted prune) are removed
-   at the next save. After a save only the newest `train.keep_checkpoints` complete checkpoints are kept (0
-   keeps all); older ones are renamed to `*.deleting` before removal, so a kill mid-removal never leaves
-   something that looks complete. Saving a step that already has a complete checkpoint is a no-op.
+   `step_<N>.tmp/`, the marker first, each file is fsynced, then the directory, then it is renamed to `step_<N>`
+   and the parent is fsynced. A `step_<N>` directory therefore either has a manifest describing complete files or
+   was damaged afterwards. A trainer state that strict JSON cannot hold (NaN, infinity) is refused before any unit
+   is written, and an error during the save removes `step_<N>.tmp/`, so the previous checkpoint stays the newest.
 
-   `train.resume=auto` takes the newest `step_<N>` with a parseable manifest (a directory without one is skipped
-   with a warning and removed at the next save; no checkpoint at all starts from step 0), `train.resume=<dir>`
+   Replace. A save of a step that has a `step_<N>` already (a run resumed from an older step after that one was
+   found corrupt; another run that used the same checkpoint root before) replaces it: the old one is renamed to
+   `step_<N>.replaced`, the new one renamed in, the parent fsynced, the old one removed. A crash between the two
+   renames leaves `.replaced` without `step_<N>`; the next save, and resume=auto, rename it back (a crash after
+   them: they remove it), so a complete `step_<N>` survives every point of the swap. A `step_<N>` without the
+   marker is not replaced: the save is refused naming it.
+
+   Marker. Only directories carrying `.streamtrain` (written first into every directory a save creates) are ever
+   deleted, and each deletion is logged: leftovers of a killed or signal-aborted save (`*.tmp`), of an
+   interrupted prune (`*.deleting`) and of an interrupted swap, removed at the next save; and the checkpoints
+   pruned after a save, which keeps the newest `train.keep_checkpoints` complete checkpoints of ours (0 keeps
+   all; older ones are renamed to `*.deleting` before removal, so a kill mid-removal never leaves something that
+   looks complete). Anything else in the checkpoint root is left alone.
+
+   Lock. A training run holds `fcntl.flock` locks on `<run dir>/.streamtrain.lock` and
+   `<checkpoint root>/.streamtrain.lock` (JSON: pid, host, started) from before it reads the checkpoint root to
+   its end (`lock.DirLock`); a second run on either is refused (exit status 2) naming the holder's pid and host.
+   The kernel drops the lock of a process that dies, so a lock left by a killed run is taken over, with a log
+   line naming it. The checkpoint root is created and probed with a file write at start: one that cannot be
+   written is refused then (exit status 2), not at the first save; a save that fails (a full disk) names the step
+   directory and the free space there, and the Trainer exits with status 4.
+
+   Damage. A save names a `step_<N>` only after its manifest is written, so a `step_<N>` whose manifest is
+   missing or unreadable is damaged (only `*.tmp` directories are interrupted saves): `train.resume=auto`
+   refuses the newest such one with a CheckpointError naming the file and saying how to resume from the previous
+   complete checkpoint (`train.resume=<its path>`); nothing deletes it (a save of that step replaces it, if it
+   carries the marker). Older damaged ones are named in a warning.
+
+   `train.resume=auto` takes the newest complete `step_<N>` (none at all starts from step 0), `train.resume=<dir>`
    a step directory or a run directory. `open_training_state` verifies everything before the engine is touched: the
    manifest, every file's size (truncation) and sha256 (flipped bytes, hashed in parallel threads), trainer_state.json,
    the run fingerprint (model architecture, optimizer recipe, steps, seed, data identity; a difference is a
@@ -84,13 +109,15 @@ and so does the CLI, which also reports an OSError (a path that is a file, no pe
 from engine.checkpoint.common import CheckpointError
 from engine.checkpoint.hf import (EngineSource, check_hf_config, export_hf, hf_config_dict, hf_dir_of, import_hf,
                                   open_hf)
+from engine.checkpoint.lock import DirLock, LockHeld
 from engine.checkpoint.safetensors_io import LazyTensors, SafetensorsFile, write_safetensors
-from engine.checkpoint.state import (CheckpointSource, find_resume, list_checkpoints, load_training_state,
-                                     open_training_state, rng_state, run_fingerprint, save_training_state,
-                                     set_rng_state)
+from engine.checkpoint.state import (CheckpointSource, check_writable, find_resume, list_checkpoints,
+                                     load_training_state, open_training_state, rng_state, run_fingerprint,
+                                     save_failure, save_training_state, set_rng_state)
 from engine.fileio import sha256_file
 
-__all__ = ["CheckpointError", "CheckpointSource", "EngineSource", "LazyTensors", "SafetensorsFile", "check_hf_config",
-           "export_hf", "find_resume", "hf_config_dict", "hf_dir_of", "import_hf", "list_checkpoints",
-           "load_training_state", "open_hf", "open_training_state", "rng_state", "run_fingerprint",
-           "save_training_state", "set_rng_state", "sha256_file", "write_safetensors"]
+__all__ = ["CheckpointError", "CheckpointSource", "DirLock", "EngineSource", "LazyTensors", "LockHeld",
+           "SafetensorsFile", "check_hf_config", "check_writable", "export_hf", "find_resume", "hf_config_dict",
+           "hf_dir_of", "import_hf", "list_checkpoints", "load_training_state", "open_hf", "open_training_state",
+           "rng_state", "run_fingerprint", "save_failure", "save_training_state", "set_rng_state", "sha256_file",
+           "write_safetensors"]

@@ -1,7 +1,8 @@
 """Training state: save, find, verify and load checkpoints for exact resume; RNG state; the run fingerprint.
 
-The format and the rules (atomic rename of `step_<N>.tmp`, manifest written last, keep-last-K, what resume=auto
-picks) are in the package docstring. Costs: a save writes 12 B/param once, hashing while it writes (no copy of
+The format and the rules (atomic rename of `step_<N>.tmp`, manifest written last, the replacing swap, the
+`.streamtrain` marker that makes a directory ours to delete, keep-last-K, what resume=auto picks or refuses) are in
+the package docstring. Costs: a save writes 12 B/param once, hashing while it writes (no copy of
 the model, no read-back); a resume reads the checkpoint twice, once to verify every byte before the engine is
 touched and once to load it, one tensor at a time.
 """
@@ -9,13 +10,14 @@ touched and once to load it, one tensor at a time.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
-import json
 import math
 import os
 import random
 import re
 import shutil
+import socket
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ VERSION = 1
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+MARKER = ".streamtrain"  # written first into every step directory: what cleanup may delete
+REPLACED = ".replaced"  # suffix of a step directory moved aside while its replacement is renamed in
 STEP_DIR = re.compile(r"^step_(\d+)$")
 VERIFY_THREADS = 8
 
@@ -125,12 +129,33 @@ def unit_file_name(unit) -> str:
     return f"unit_{unit.index:04d}_{unit.name}.safetensors"
 
 
-def _is_complete(step_dir: Path) -> bool:
+def _manifest_problem(step_dir: Path) -> Optional[str]:
+    """Why `step_dir` has no valid manifest (the message names the file), or None when it has one."""
     try:
-        m = json.loads((step_dir / MANIFEST).read_text())
-        return m.get("format") == FORMAT and isinstance(m.get("files"), dict)
-    except (OSError, ValueError):
-        return False
+        m = read_json(step_dir / MANIFEST, "")
+    except CheckpointError as e:
+        return str(e)
+    if m.get("format") != FORMAT or not isinstance(m.get("files"), dict):
+        return f"{step_dir / MANIFEST}: not a {FORMAT} manifest"
+    return None
+
+
+def _is_complete(step_dir: Path) -> bool:
+    return _manifest_problem(step_dir) is None
+
+
+def write_marker(directory: Path) -> Tuple[int, str]:
+    """The marker that makes `directory` ours to delete, written first into every directory a save creates; returns
+    (size, sha256) for the manifest."""
+    return write_durable(directory / MARKER, json_bytes({
+        "written_by": "streamtrain", "format": FORMAT, "pid": os.getpid(), "host": socket.gethostname(),
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}))
+
+
+def is_ours(directory: Path) -> bool:
+    """True if `directory` carries the marker a save writes first: only such directories are ever deleted. The
+    file's presence is the proof (a save killed while writing it leaves it empty); its JSON says who wrote it."""
+    return (directory / MARKER).is_file()
 
 
 def step_of(step_dir: Path) -> int:
@@ -149,8 +174,8 @@ def list_checkpoints(root: Path) -> Tuple[List[Tuple[int, Path]], List[Path]]:
 
 
 def incomplete_newer_than(root: Path, step: int) -> List[Path]:
-    """Step dirs in `root` without a valid manifest whose step is above `step`: saves that never finished (or
-    checkpoints damaged since), which resume=auto and `verify <run dir>` pass over."""
+    """Step dirs in `root` without a valid manifest whose step is above `step`: damaged checkpoints (a save names a
+    step dir only after its manifest is complete), which resume=auto refuses and `verify <run dir>` warns about."""
     return [p for p in list_checkpoints(root)[1] if step_of(p) > step]
 
 
@@ -176,36 +201,122 @@ def find_resume(resume: str, root: Path, log: Callable[[str], None] = print) -> 
         return None
     if resume != "auto":
         return resolve_checkpoint_path(Path(resume).expanduser())
-    complete, _ = list_checkpoints(root)
-    for p in incomplete_newer_than(root, complete[-1][0] if complete else -1):
-        log(f"warning: {p} has no valid {MANIFEST}: an incomplete checkpoint, ignored")
+    if root.is_dir():
+        _recover_swaps(root, log)
+    complete, damaged = list_checkpoints(root)
+    newer = incomplete_newer_than(root, complete[-1][0] if complete else -1)
+    if newer:
+        raise CheckpointError(_damage_message(newer[-1], complete[-1][1] if complete else None))
+    for p in damaged:
+        log(f"warning: {_manifest_problem(p)}: a damaged checkpoint, older than the newest complete one; left in place")
     if not complete:
         log(f"train.resume=auto: no checkpoint in {root}, starting from step 0")
         return None
     return complete[-1][1]
 
 
+def _damage_message(step_dir: Path, previous: Optional[Path]) -> str:
+    """The refusal of a step dir without a valid manifest, with the way to resume from the previous checkpoint."""
+    way = (f"resume from the previous complete checkpoint with train.resume={previous}" if previous is not None else
+           "there is no earlier complete checkpoint: start over with train.resume=none")
+    return (f"{_manifest_problem(step_dir)}; a save names a step_<N> directory only after its {MANIFEST} is written, "
+            f"so {step_dir} is damaged (or not a streamtrain checkpoint). Move it away, or {way} (its save of that "
+            "step replaces a damaged checkpoint that streamtrain wrote)")
+
+
 # ================================================================================================================
 # saving
 
 
-def _cleanup(root: Path) -> None:
-    """Remove leftovers of interrupted saves and prunes, and step dirs without a valid manifest."""
-    _, incomplete = list_checkpoints(root)
-    for p in list(root.iterdir()) + incomplete:
-        if p.is_dir() and (p.name.endswith(".tmp") or p.name.endswith(".deleting") or p in incomplete):
-            shutil.rmtree(p, ignore_errors=True)
+def check_writable(root: Path, field: str) -> bool:
+    """Create `root` if missing, write and remove a probe file in it: a checkpoint root that cannot be written is
+    refused at start (ConfigError naming `field`), not at the first save after the training time is spent. True if
+    this call created it."""
+    created = not root.exists()
+    probe = root / f".streamtrain-probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        write_durable(probe, b"probe\n")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{field}={root}: cannot be written ({e.strerror or e}: {e.filename or root}); it must be "
+                          "a directory this user can create and write files in") from None
+    return created
 
 
-def _prune(root: Path, keep: int) -> None:
+def save_failure(root: Path, step: int, err: BaseException) -> str:
+    """What a failed save of step `step` says: the step directory, the error, the free space, what is left."""
+    try:
+        st = os.statvfs(root)
+        free = f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB free on {root}"
+    except OSError as e:
+        free = f"free space on {root} unknown ({e.strerror})"
+    complete, _ = list_checkpoints(root)
+    left = f"the newest complete checkpoint is {complete[-1][1]}" if complete else "there is no complete checkpoint"
+    return (f"the checkpoint of step {step} could not be written to {root / f'step_{step}'}: {err} ({free}); its "
+            f"partial files were removed and {left}")
+
+
+def _remove(path: Path, why: str, log: Callable[[str], None]) -> None:
+    shutil.rmtree(path)
+    log(f"removed {path} ({why})")
+
+
+def _recover_swaps(root: Path, log: Callable[[str], None]) -> None:
+    """Finish or undo a replacing swap that a crash interrupted (`_swap_in`): a `step_<N>.replaced` whose `step_<N>`
+    is missing is renamed back (the new one never arrived); one whose `step_<N>` is complete is removed."""
+    for old in sorted(root.glob(f"step_*{REPLACED}")):
+        final = old.with_name(old.name[:-len(REPLACED)])
+        if not (STEP_DIR.match(final.name) and old.is_dir() and is_ours(old)):
+            continue
+        if not final.exists():
+            os.rename(old, final)
+            fsync_dir(root)
+            log(f"restored {final} from {old}: a save replacing it was interrupted before the new one was in place")
+        elif _is_complete(final):
+            _remove(old, "the checkpoint it replaced; a save was interrupted before removing it", log)
+
+
+def _cleanup(root: Path, log: Callable[[str], None]) -> None:
+    """Remove what interrupted saves (`*.tmp`) and prunes (`*.deleting`) left, if a save of ours made it (the
+    marker). Step dirs without a valid manifest are damage, never removed here (resume refuses them)."""
+    _recover_swaps(root, log)
+    for p in sorted(root.iterdir()):
+        if p.name.endswith((".tmp", ".deleting")) and p.is_dir() and is_ours(p):
+            _remove(p, "left by an interrupted save" if p.name.endswith(".tmp") else "left by an interrupted "
+                    "removal of an old checkpoint", log)
+
+
+def _prune(root: Path, keep: int, log: Callable[[str], None]) -> None:
+    """Keep the newest `keep` complete checkpoints of ours (0: all); older ones are renamed to `*.deleting` first, so
+    a crash mid-removal never leaves something that looks complete."""
     if keep <= 0:
         return
-    complete, _ = list_checkpoints(root)
-    for _, p in complete[:-keep]:
+    complete = [p for _, p in list_checkpoints(root)[0] if is_ours(p)]
+    for p in complete[:-keep]:
         doomed = p.with_name(p.name + ".deleting")
         os.rename(p, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        _remove(doomed, f"train.keep_checkpoints={keep}", log)
     fsync_dir(root)
+
+
+def _swap_in(root: Path, final: Path, tmp: Path) -> None:
+    """Rename the complete `tmp` to `final`. An existing `final` (ours: `_prepare_save` checked) is renamed aside to
+    `<final>.replaced` first and removed once the new one is in place; a crash between the two renames leaves
+    `.replaced` without `final`, which `_recover_swaps` renames back, so a complete step_<N> survives every point."""
+    old = final.with_name(final.name + REPLACED)
+    replacing = final.exists()
+    if replacing:
+        os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except Exception:
+        if replacing:
+            os.rename(old, final)
+        raise
+    fsync_dir(root)
+    if replacing:
+        shutil.rmtree(old)
 
 
 def _unwritable(value: Any, where: str) -> Optional[str]:
@@ -229,43 +340,48 @@ def _state_json(path: Path, state: dict) -> bytes:
                               f"{_unwritable(state, 'state') or e}") from None
 
 
-def save_training_state(engine, root: Path, step: int, state: dict, keep: int = 3, dp=SINGLE) -> Path:
+def save_training_state(engine, root: Path, step: int, state: dict, keep: int = 3, dp=SINGLE,
+                        log: Callable[[str], None] = print) -> Path:
     """Atomically write the engine's full training state plus `state` (trainer_state.json) as root/step_<step>.
 
     Data parallel (`dp`, called on every rank): rank 0 prepares `step_<step>.tmp`, each rank writes the unit files
     of the units whose state it holds (engine.owner; rank 0 those held everywhere), rank 0 writes the trainer state
     and the manifest last and renames; a failure on any rank fails the save on every rank.
 
-    An error during the save removes `step_<step>.tmp` and re-raises: the newest complete checkpoint stays what
-    it was. A state that strict JSON cannot hold (NaN, infinity, an object) is refused before any unit is
-    written. KeyboardInterrupt and SystemExit (a second signal: abort now) leave the partial directory, like a
-    kill; the next save removes it."""
+    An existing `step_<step>` of ours is replaced (`_swap_in`); one without the marker is refused. An error during
+    the save removes `step_<step>.tmp` and re-raises: the newest complete checkpoint stays what it was. A state
+    that strict JSON cannot hold (NaN, infinity, an object) is refused before any unit is written.
+    KeyboardInterrupt and SystemExit (a second signal: abort now) leave the partial directory, like a
+    kill; the next save removes it. `log` gets a line for each directory removed."""
     root = Path(root)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     head = {"format": FORMAT, "version": VERSION, **state, "step": step}
     _state_json(final / TRAINER_STATE, head)
     rank0 = dp.rank == 0
-    if _on_ranks(dp, tmp, _prepare_save if rank0 else None, root, final, tmp)[0]:
-        return final
+    _on_ranks(dp, tmp, _prepare_save if rank0 else None, root, final, tmp, log)
     owner = getattr(engine, "owner", {})
     mine = [unit for unit in engine.spec.units if owner.get(unit.index, 0) == dp.rank]
     written = _on_ranks(dp, tmp, _write_units, engine, mine, tmp)
     files = {name: meta for files, _ in written for name, meta in files.items()}
     units = sorted((u for _, units in written for u in units), key=lambda u: u["index"])
-    _on_ranks(dp, tmp, _finish_save if rank0 else None, root, final, tmp, head, files, units, keep)
+    _on_ranks(dp, tmp, _finish_save if rank0 else None, root, final, tmp, head, files, units, keep, log)
     return final
 
 
-def _prepare_save(root: Path, final: Path, tmp: Path) -> bool:
-    """Rank 0: True if step_<N> is complete already, else an empty step_<N>.tmp ready for the unit files."""
+def _prepare_save(root: Path, final: Path, tmp: Path, log: Callable[[str], None]) -> None:
+    """Rank 0: the leftovers of interrupted saves removed, a new step_<N>.tmp holding only the marker."""
     root.mkdir(parents=True, exist_ok=True)
-    if _is_complete(final):
-        return True
-    _cleanup(root)
-    if final.exists():
-        shutil.rmtree(final)
+    _cleanup(root, log)
+    if tmp.is_dir() and not is_ours(tmp):
+        with contextlib.suppress(OSError):
+            tmp.rmdir()  # empty: a save killed between creating it and its marker; anything else stays
+    for p in (final, tmp):
+        if p.exists() and not is_ours(p):
+            raise CheckpointError(f"{p}: exists and was not written by streamtrain (no {MARKER} marker in it), so the "
+                                  f"save of step {step_of(final)} will not replace it; move it away, or choose another "
+                                  "train.checkpoint_dir")
     tmp.mkdir()
-    return False
+    write_marker(tmp)
 
 
 def _write_units(engine, units, tmp: Path) -> Tuple[Dict[str, dict], List[dict]]:
@@ -294,17 +410,26 @@ def _write_units(engine, units, tmp: Path) -> Tuple[Dict[str, dict], List[dict]]
 
 
 def _finish_save(root: Path, final: Path, tmp: Path, head: dict, files: Dict[str, dict], units: List[dict],
-                 keep: int) -> None:
-    """Rank 0, every unit file written: the trainer state, the manifest last, the rename, the pruning."""
+                 keep: int, log: Callable[[str], None]) -> None:
+    """Rank 0, every unit file written: the trainer state, the manifest last, the swap, the pruning."""
     nbytes, sha = write_durable(tmp / TRAINER_STATE, _state_json(final / TRAINER_STATE, {**head, "units": units}))
     files[TRAINER_STATE] = {"bytes": nbytes, "sha256": sha}
+    files[MARKER] = {"bytes": (tmp / MARKER).stat().st_size, "sha256": sha256_file(tmp / MARKER)}
     write_durable(tmp / MANIFEST, json_bytes({
         "format": FORMAT, "version": VERSION, "step": head["step"], "files": files,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}))
     fsync_dir(tmp)
-    os.rename(tmp, final)
-    fsync_dir(root)
-    _prune(root, keep)
+    _swap_in(root, final, tmp)
+    _prune(root, keep, log)
+
+
+def _remove_partial(tmp: Path) -> None:
+    """A failed save's step_<N>.tmp, if this save made it (a foreign one of that name stays)."""
+    if is_ours(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            tmp.rmdir()  # empty: the save failed before its marker was written
 
 
 def _on_ranks(dp, tmp: Path, fn: Optional[Callable], *args) -> list:
@@ -317,14 +442,14 @@ def _on_ranks(dp, tmp: Path, fn: Optional[Callable], *args) -> list:
             result = fn(*args)
         except Exception as e:
             if not dp.active:
-                shutil.rmtree(tmp, ignore_errors=True)
+                _remove_partial(tmp)
                 raise
             error = f"{type(e).__name__}: {e}"
     gathered = dp.gather((result, error))
     failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err is not None]
     if failed:
         if dp.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_partial(tmp)
         raise CheckpointError("saving the checkpoint failed: " + "; ".join(failed))
     return [res for res, _ in gathered]
 
