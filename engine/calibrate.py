@@ -66,7 +66,7 @@ Costs. Device memory: one layer as a slot holds it, its gradients (in the same d
 of one micro-batch; the head (for qwen7b: the LM head in bf16, 1.1 GB, its gradient and a 512 MiB fp32 logits
 chunk); two `--copy-gib` buffers. Host memory: two pinned `--copy-gib` buffers, 16 bytes per AdamW element
 (parameter, gradient, two moments: 8 GB at the default 0.5 billion) and the fp32 masters of one layer and the head
-while they are initialised. Time: under a minute with the defaults on the H200 machine (2026-12-04, torch 2.11:
+while they are initialised. Time: under a minute with the defaults on an H200 machine (torch 2.11:
 17 s of torch.compile, then mostly the host-side initialisation of the weights and of the AdamW state); the timed
 repetitions themselves take a few seconds.
 """

@@ -59,17 +59,24 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 RENAMED = {"engine.checkpoint_tier": "engine.activation_tier",
            "engine.device_optimizer_units": "engine.gpu_resident_units",
            "hardware.achieved_tflops": "hardware.fwd_tflops_compiled / bwd_tflops_compiled / head_tflops_compiled "
-                                       "(and the _eager ones), measured by bench/calibrate.py",
+                                       "(and the _eager ones), measured by python -m engine.calibrate",
            "train.precision": "train.master_dtype / train.moments_dtype / train.grad_dtype (engine/formats.py)"}
 
 
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")  # train.attention (engine/model/attention.py)
+AUTO_ON_OFF = ("auto", "on", "off")
+TIER_CHOICES = ("auto", "gpu", "host")
+
+
+def one_of(default: Any, allowed: tuple) -> Any:
+    """A field whose value must be one of `allowed` (`validate` checks every such field, naming the choices)."""
+    return field(default=default, metadata={"choices": allowed})
 
 
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    model_type: str = MISSING
+    model_type: str = one_of(MISSING, MODEL_TYPES)
     hidden_size: int = MISSING
     intermediate_size: int = MISSING
     num_hidden_layers: int = MISSING
@@ -96,7 +103,7 @@ class ModelConfig:
     swiglu_limit: Optional[float] = None  # gpt-oss: clamp of the expert SwiGLU's gate (above) and up (both sides)
     sliding_window: Optional[int] = None  # keys seen per query on "sliding_attention" layers
     layer_types: Optional[List[str]] = None  # per layer: full_attention | sliding_attention; None: all full
-    hidden_act: str = "silu"
+    hidden_act: str = one_of("silu", ("silu",))
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     expected_params: Optional[int] = None  # published parameter count, checked against the built layout
@@ -123,20 +130,22 @@ class TrainConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0  # global-norm clipping; 0 disables it
     # training-state formats (engine/formats.py): fp32 everywhere is exact; the others are updated on the GPU
-    master_dtype: str = "fp32"  # fp32 | bf16 (stochastic rounding)
-    moments_dtype: str = "fp32"  # fp32 | bf16 (stochastic rounding) | int8 (blockwise 8-bit floats + fp32 scales)
-    grad_dtype: str = "fp32"  # fp32 | bf16 (stochastic rounding): gradients held until the global norm is known
+    master_dtype: str = one_of("fp32", formats.MASTER_DTYPES)  # bf16: stochastic rounding
+    # bf16: stochastic rounding; int8: blockwise 8-bit floats + fp32 scales
+    moments_dtype: str = one_of("fp32", formats.MOMENTS_DTYPES)
+    # bf16 (stochastic rounding): the gradients held until the global norm is known
+    grad_dtype: str = one_of("fp32", formats.GRAD_DTYPES)
     # fp32 | bf16: the dtype the host-updated units' gradients cross PCIe in (engine=stream, exact fp32 state only);
     # bf16 rounds them stochastically on the GPU (seeded per run, unit and step) and halves their host buffers
-    grad_transfer_dtype: str = "fp32"
+    grad_transfer_dtype: str = one_of("fp32", ("fp32", "bf16"))
     # engine=reference with fp32 state: torch (torch's fused AdamW, the exact recipe) | kernel (the fused update
     # kernel of the low-precision formats, over the same fp32 state: equal to torch's to 1 ulp per element and step,
     # to compare the two update paths, e.g. in bench/bench_formats_quality.py)
-    fp32_update: str = "torch"
+    fp32_update: str = one_of("torch", ("torch", "kernel"))
     moments_block_size: int = 256  # int8 moments: elements per scale, a power of two
-    compute_dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    compute_dtype: str = one_of("auto", ("auto", "bf16", "fp32"))  # auto: bf16 autocast on CUDA, fp32 on CPU
     activation_checkpointing: bool = True  # engine=reference only: the stream engine always recomputes
-    compile: str = "auto"  # torch.compile the layer and loss templates: auto (on CUDA) | on | off
+    compile: str = one_of("auto", AUTO_ON_OFF)  # torch.compile the layer and loss templates; auto: on CUDA
     # compiled templates: Inductor builds their kernels in this process, one after another, instead of in its pool of
     # worker processes (min(32, cores) of them, ~0.48 GiB of host each: 7.4-7.7 GiB on the 16-core benchmark machine,
     # `hardware.host_compile_workers_gib`, which the plan then leaves to the state); costs a slower first step
@@ -147,10 +156,10 @@ class TrainConfig:
     deterministic: bool = False
     # the LM head + cross-entropy fused in a Triton kernel, no logits recomputed (streamtrain_kernels/cross_entropy.py):
     # auto (on CUDA) | on | off (the chunked torch chain, logits recomputed in the backward)
-    fused_loss: str = "auto"
+    fused_loss: str = one_of("auto", AUTO_ON_OFF)
     # attention backend (engine/model/attention.py): auto (the one measured faster in the layer: sdpa) | triton | sdpa
     # | flash_attn; a backend asked for that cannot run is an error, never a quiet switch
-    attention: str = "auto"
+    attention: str = one_of("auto", ATTENTION_BACKENDS)
     # the MLP block in token chunks, each recomputed in the backward (engine/model/dense.py): -1 auto (32K-token chunks
     # when a micro-batch holds more than 64K tokens), 0 off, N tokens per chunk
     mlp_chunk_tokens: int = -1
@@ -164,17 +173,16 @@ class TrainConfig:
     stop_at: int = 0  # stop after this many steps (saving a checkpoint) without changing the LR schedule; 0: off
     max_consecutive_skips: int = 5  # stop (saving a checkpoint) after N non-finite steps in a row; 0: never
     export_hf: bool = False  # at the end of training, write an HF checkpoint into <run dir>/hf
-    export_dtype: str = "bf16"  # bf16 | fp32, for export_hf
+    export_dtype: str = one_of("bf16", ("bf16", "fp32"))  # for export_hf
 
 
 @dataclass
 class LayerFigures:
-    """Measured by bench/calibrate.py on the machine (the planner's time model; 0: unknown). TFLOPS count model FLOPs
-    (engine/metrics.py) of one decoder layer's forward, its backward (recompute included: 3x the forward's FLOPs,
-    less the down projection a dense layer's recompute leaves out, `ModelSpec.layer_grads`) and the head's forward +
-    backward, with compiled or eager templates. With attention figures (HardwareConfig) the
-    layer figures cover the layer's FLOPs other than attention's (the layer's time less its attention's); without,
-    all."""
+    """Measured by `python -m engine.calibrate` on the machine (the planner's time model; 0: unknown). TFLOPS count
+    model FLOPs (engine/metrics.py) of one decoder layer's forward, its backward (recompute included: 3x the forward's
+    FLOPs, less the down projection a dense layer's recompute leaves out, `ModelSpec.layer_grads`) and the head's
+    forward + backward, with compiled or eager templates. With attention figures (HardwareConfig) the layer figures
+    cover the layer's FLOPs other than attention's (the layer's time less its attention's); without, all."""
     fwd_tflops_compiled: float = 0.0
     bwd_tflops_compiled: float = 0.0
     head_tflops_compiled: float = 0.0
@@ -187,7 +195,7 @@ class LayerFigures:
 class LayerWidthFigures(LayerFigures):
     """The figures of one more model's decoder layer and head (0: that mode not measured), so the planner can time
     models of other widths: a 2048-wide qwen3b layer runs 6-21% below a 3584-wide qwen7b one on an H100.
-    bench/calibrate.py --width-models measures them."""
+    python -m engine.calibrate --width-models measures them."""
     model: str = ""  # the model of conf/model/ whose layer was measured
     hidden: int = 0  # its hidden size, the axis the planner interpolates along
 
@@ -198,7 +206,7 @@ class HardwareConfig(LayerFigures):
     (LayerFigures) are those of `layer_model`'s layer."""
 
     name: str = MISSING
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = one_of("auto", ("auto", "cpu", "cuda"))
     gpu_mem_gib: float = 0.0  # the card's usable GPU memory (a little below its capacity: the CUDA context)
     # cap this process's GPU memory at this many GiB (0: none), to see how a run fits a smaller card; the speeds and
     # the MFU peak stay those of the card the run is on
@@ -218,7 +226,7 @@ class HardwareConfig(LayerFigures):
     # The attention kernel alone (causal, full, one sequence of attn_seq_len tokens, backend attn_backend): its
     # model FLOPs (QK^T and PV) per second forward, and forward + backward counted as 3 forwards. Attention's rate
     # grows with length while the rest of the layer's does not: the planner times the two parts apart.
-    attn_backend: str = ""  # sdpa | triton | flash_attn; "" (with the figures 0): not calibrated
+    attn_backend: str = one_of("", ("", *ATTENTION_BACKENDS[1:]))  # "" (with the figures 0): not calibrated
     attn_seq_len: int = 0
     attn_fwd_tflops: float = 0.0
     attn_bwd_tflops: float = 0.0
@@ -241,7 +249,7 @@ class HardwareConfig(LayerFigures):
     # of host_process_gib, the part in torch.compile's worker processes, which a run without compiled templates
     # never starts (the planner leaves it out of an eager run's host memory)
     host_compile_workers_gib: float = 0.0
-    calibration: str = ""  # where the measured figures come from (written by bench/calibrate.py)
+    calibration: str = ""  # where the measured figures come from (written by python -m engine.calibrate)
     # The NVMe tier (engine/streaming/nvme.py): Adam moments of host-updated units in a file on a local disk
     nvme_dir: Optional[str] = None  # a directory on that disk; None: no NVMe tier
     nvme_gib: float = 0.0  # disk space the tier may use (0: none)
@@ -251,7 +259,7 @@ class HardwareConfig(LayerFigures):
 
 @dataclass
 class DataConfig:
-    name: str = MISSING  # stdlib | memmap | synthetic
+    name: str = one_of(MISSING, ("stdlib", "memmap", "synthetic"))
     path: Optional[str] = None  # memmap: the .bin file written by `python -m engine.data prepare`
     val_fraction: float = 0.02
     vocab_size: Optional[int] = None  # tokens the data can produce; None: from the source (256 for bytes)
@@ -259,23 +267,24 @@ class DataConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = MISSING  # wandb | none
+    name: str = one_of(MISSING, ("wandb", "none"))
     project: str = "streamtrain"
     entity: Optional[str] = None
-    mode: str = "offline"  # offline | online | disabled; WANDB_MODE in the environment wins
+    mode: str = one_of("offline", ("offline", "online", "disabled"))  # WANDB_MODE in the environment wins
     group: Optional[str] = None  # None: the multirun sweep dir name, so a sweep's jobs group together
     tags: List[str] = field(default_factory=list)
-    progress: str = "auto"  # auto (bar on a terminal) | bar | lines
+    progress: str = one_of("auto", ("auto", "bar", "lines"))  # auto: a bar on a terminal
 
 
 @dataclass
 class EngineConfig:
-    name: str = MISSING  # reference | stream
+    name: str = one_of(MISSING, ("reference", "stream"))
     slots: int = 2  # stream: GPU layer slots in the ring
-    grads_tier: str = "auto"  # stream: where full gradients wait for the global norm: auto | gpu | host
-    activation_tier: str = "auto"  # stream: where layer-input activations wait for the backward: auto | gpu | host
-    cache_weights: str = "auto"  # stream: keep a layer's compute-dtype weights on the GPU from forward to backward
-    # stream: the three update places (DESIGN.md §4), in forward order. The first `gpu_resident_units` units
+    grads_tier: str = one_of("auto", TIER_CHOICES)  # stream: where full gradients wait for the global norm
+    activation_tier: str = one_of("auto", TIER_CHOICES)  # stream: where layer-input activations wait for the backward
+    # stream: keep a layer's compute-dtype weights on the GPU from forward to backward
+    cache_weights: str = one_of("auto", AUTO_ON_OFF)
+    # stream: the three update places (engine/placement.py), in forward order. The first `gpu_resident_units` units
     # (embedding, layer 1, ...) keep master and moments in GPU memory; the next `gpu_streamed_units` keep them in host
     # RAM and are updated on the GPU as the next forward loads them; the rest are updated by the host AdamW.
     # -1: the planner's split (the fastest predicted step that fits)
@@ -289,7 +298,8 @@ class EngineConfig:
     # regenerates the others group by group from it (N - 1 extra layer forwards per group, the group's N inputs on
     # the GPU meanwhile); -1: 1 (every input kept), or the smallest N with which the plan fits
     recompute_group: int = -1
-    fused_kernels: bool = True  # stream: Triton gradient accumulation (streamtrain_kernels/grad_accum.py); off: torch ops
+    # stream: Triton gradient accumulation (streamtrain_kernels/grad_accum.py); off: torch ops
+    fused_kernels: bool = True
     # stream: the Adam moments of the last N host-updated units live in the NVMe tier's file (hardware.nvme_dir);
     # -1: as few as the host memory plan needs (none without hardware.nvme_dir)
     nvme_units: int = -1
@@ -447,12 +457,29 @@ def _name(key: str, value: Optional[str], optional: bool = False) -> None:
 def validate(cfg: DictConfig) -> None:
     """Checks that need more than types. Raises ConfigError naming the key; allocates nothing."""
     _check_keys(cfg, Config)
+    _validate_choices(cfg, Config)
     _validate_model(cfg)
     _validate_train(cfg)
     _validate_hardware(cfg)
+    _validate_data(cfg)
+    _validate_logger(cfg)
+    _validate_engine(cfg)
+    if not 0 <= cfg.seed < 2**63:
+        raise ConfigError(f"seed={cfg.seed} must be within [0, 2**63)")
 
+
+def _validate_choices(node: DictConfig, section: type, prefix: str = "") -> None:
+    """Every field declared with `one_of`, in every section: its value is one of the field's choices."""
+    hints = typing.get_type_hints(section)
+    for f in fields(section):
+        if "choices" in f.metadata:
+            _choice(f"{prefix}{f.name}", node[f.name], f.metadata["choices"])
+        elif is_dataclass(hints[f.name]):
+            _validate_choices(node[f.name], hints[f.name], f"{prefix}{f.name}.")
+
+
+def _validate_data(cfg: DictConfig) -> None:
     d = cfg.data
-    _choice("data.name", d.name, ("stdlib", "memmap", "synthetic"))
     if d.name == "memmap":
         if not d.path:
             raise ConfigError("data=memmap needs data.path=<tokens .bin written by `python -m engine.data prepare`>")
@@ -464,23 +491,20 @@ def validate(cfg: DictConfig) -> None:
     if d.vocab_size is not None:
         _positive("data.vocab_size", d.vocab_size)
 
+
+def _validate_logger(cfg: DictConfig) -> None:
     lg = cfg.logger
-    _choice("logger.name", lg.name, ("wandb", "none"))
     _name("logger.project", lg.project)
     _name("logger.entity", lg.entity, optional=True)
-    _choice("logger.mode", lg.mode, ("offline", "online", "disabled"))
     _name("logger.group", lg.group, optional=True)
     for tag in lg.tags:
         if not tag or len(tag) > 64:
             raise ConfigError(f"logger.tags has {tag!r}; a W&B tag is 1 to 64 characters")
-    _choice("logger.progress", lg.progress, ("auto", "bar", "lines"))
 
+
+def _validate_engine(cfg: DictConfig) -> None:
     e = cfg.engine
-    _choice("engine.name", e.name, ("reference", "stream"))
     _positive("engine.slots", e.slots, 2)
-    for key in ("grads_tier", "activation_tier"):
-        _choice(f"engine.{key}", e[key], ("auto", "gpu", "host"))
-    _choice("engine.cache_weights", e.cache_weights, ("auto", "on", "off"))
     _positive("engine.gpu_resident_units", e.gpu_resident_units, -1)
     _positive("engine.gpu_streamed_units", e.gpu_streamed_units, -1)
     _positive("engine.keep_activation_layers", e.keep_activation_layers, -1)
@@ -520,14 +544,10 @@ def validate(cfg: DictConfig) -> None:
                           "inputs and recomputes each layer in the backward (all but the last "
                           "engine.keep_activation_layers); engine=reference honours false")
 
-    if not 0 <= cfg.seed < 2**63:
-        raise ConfigError(f"seed={cfg.seed} must be within [0, 2**63)")
-
 
 def _validate_model(cfg: DictConfig) -> None:
     m = cfg.model
     _name("model.name", m.name)
-    _choice("model.model_type", m.model_type, MODEL_TYPES)
     family = {"qwen2": (True, False), "qwen3": (False, True), "llama": (False, False), "qwen3_moe": (False, True),
               "gpt_oss": (False, False)}[m.model_type]
     if (m.qkv_bias, m.qk_norm) != family:
@@ -553,7 +573,6 @@ def _validate_model(cfg: DictConfig) -> None:
     _real("model.rope_theta", m.rope_theta, 0, low_open=True)
     _validate_rope_scaling(m.rope_scaling)
     _real("model.rms_norm_eps", m.rms_norm_eps, 0, low_open=True)
-    _choice("model.hidden_act", m.hidden_act, ("silu",))
     for key in ("bos_token_id", "eos_token_id"):
         if m[key] is not None and not 0 <= m[key] < m.vocab_size:
             raise ConfigError(f"model.{key}={m[key]} must be a token id within [0, model.vocab_size={m.vocab_size}) "
@@ -672,11 +691,6 @@ def _validate_train(cfg: DictConfig) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
                           f"{m.max_position_embeddings} of model={m.name}; raise model.max_position_embeddings to "
                           "train past the published context")
-    _choice("train.master_dtype", t.master_dtype, formats.MASTER_DTYPES)
-    _choice("train.moments_dtype", t.moments_dtype, formats.MOMENTS_DTYPES)
-    _choice("train.grad_dtype", t.grad_dtype, formats.GRAD_DTYPES)
-    _choice("train.grad_transfer_dtype", t.grad_transfer_dtype, ("fp32", "bf16"))
-    _choice("train.fp32_update", t.fp32_update, ("torch", "kernel"))
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if t.deterministic and workspace is not None and workspace not in CUBLAS_DETERMINISTIC_WORKSPACES:
         raise ConfigError(f"train.deterministic=true, but the environment sets CUBLAS_WORKSPACE_CONFIG={workspace!r}, "
@@ -687,10 +701,6 @@ def _validate_train(cfg: DictConfig) -> None:
     if not lo <= t.moments_block_size <= hi or t.moments_block_size & (t.moments_block_size - 1):
         raise ConfigError(f"train.moments_block_size={t.moments_block_size} is not valid; use a power of two in "
                           f"[{lo}, {hi}] (elements per fp32 scale of the int8 moments)")
-    _choice("train.compute_dtype", t.compute_dtype, ("auto", "bf16", "fp32"))
-    _choice("train.compile", t.compile, ("auto", "on", "off"))
-    _choice("train.fused_loss", t.fused_loss, ("auto", "on", "off"))
-    _choice("train.attention", t.attention, ATTENTION_BACKENDS)
     if t.mlp_chunk_tokens < -1:
         raise ConfigError(f"train.mlp_chunk_tokens={t.mlp_chunk_tokens} is not valid; use -1 (auto), 0 (off) or a "
                           "positive number of tokens per chunk")
@@ -704,7 +714,6 @@ def _validate_train(cfg: DictConfig) -> None:
                           "when missing) or null for <run dir>/checkpoints")
     for key in ("checkpoint_every", "keep_checkpoints", "stop_at", "max_consecutive_skips"):
         _positive(f"train.{key}", t[key], 0)
-    _choice("train.export_dtype", t.export_dtype, ("bf16", "fp32"))
 
 
 TFLOPS_FIGURES = tuple(f"{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd", "head"))
@@ -726,7 +735,7 @@ def _validate_layer_widths(hw: DictConfig) -> None:
     if hw.layer_hidden < 1 or not hw.layer_model:
         raise ConfigError(f"hardware.layer_widths has {len(hw.layer_widths)} entries while hardware.layer_hidden="
                           f"{hw.layer_hidden}, hardware.layer_model={hw.layer_model!r}: the other widths are placed "
-                          "beside the main layer figures' width; set both (bench/calibrate.py writes them)")
+                          "beside the main layer figures' width; set both (python -m engine.calibrate writes them)")
     seen = {hw.layer_hidden: f"hardware.layer_hidden ({hw.layer_model})"}
     for i, width in enumerate(hw.layer_widths):
         key = f"hardware.layer_widths[{i}]"
@@ -750,18 +759,16 @@ def _layer_figures_together(node: DictConfig, key: str) -> None:
             missing = [k for k in mode_keys if k not in known]
             raise ConfigError(f"{key}.{missing[0]}={node[missing[0]]} while {key}.{known[0]}={node[known[0]]}: "
                               f"the {mode} figures are used together; set all of {', '.join(mode_keys)} "
-                              "(bench/calibrate.py measures them) or none")
+                              "(python -m engine.calibrate measures them) or none")
 
 
 def _validate_hardware(cfg: DictConfig) -> None:
     hw = cfg.hardware
     _name("hardware.name", hw.name)
-    _choice("hardware.device", hw.device, ("auto", "cpu", "cuda"))
     for key in HARDWARE_FIGURES:
         _real(f"hardware.{key}", hw[key], 0, why=f" (0: {ZERO_MEANS.get(key, 'unknown')})")
     _layer_figures_together(hw, "hardware")
     _validate_layer_widths(hw)
-    _choice("hardware.attn_backend", hw.attn_backend, ("", *ATTENTION_BACKENDS[1:]))
     _positive("hardware.attn_seq_len", hw.attn_seq_len, 0)
     if any(hw[k] > 0 for k in ATTENTION_FIGURES):
         if min(hw[k] for k in ATTENTION_FIGURES) <= 0 or hw.attn_seq_len < 1 or not hw.attn_backend:
@@ -769,23 +776,23 @@ def _validate_hardware(cfg: DictConfig) -> None:
                               f"{hw.attn_bwd_tflops}, hardware.attn_seq_len={hw.attn_seq_len}, hardware.attn_backend="
                               f"{hw.attn_backend!r}: the attention figures are used together; set both rates > 0, "
                               f"the length >= 1 and the backend one of {', '.join(ATTENTION_BACKENDS[1:])} "
-                              "(bench/calibrate.py measures them), or both rates to 0")
+                              "(python -m engine.calibrate measures them), or both rates to 0")
         if not any(hw[k] > 0 for k in TFLOPS_FIGURES):
             raise ConfigError(f"hardware.attn_fwd_tflops={hw.attn_fwd_tflops}, hardware.attn_bwd_tflops="
                               f"{hw.attn_bwd_tflops} without layer figures: they time a layer's attention beside its "
-                              "other FLOPs (hardware.fwd_tflops_<mode>, bench/calibrate.py measures both)")
+                              "other FLOPs (hardware.fwd_tflops_<mode>, python -m engine.calibrate measures both)")
     for mode in ("compiled", "eager"):
         fwd, bwd, layer = f"moe_fwd_tflops_{mode}", f"moe_bwd_tflops_{mode}", f"fwd_tflops_{mode}"
         if (hw[fwd] > 0) != (hw[bwd] > 0) or (hw[fwd] > 0 and (not hw.moe_model or hw[layer] <= 0)):
             raise ConfigError(f"hardware.{fwd}={hw[fwd]}, hardware.{bwd}={hw[bwd]}, hardware.moe_model="
                               f"{hw.moe_model!r}, hardware.{layer}={hw[layer]}: a mode's MoE figures are used "
                               "together, with the model they were measured on and the dense figures of that mode "
-                              "(bench/calibrate.py --moe-model measures them), or both 0")
+                              "(python -m engine.calibrate --moe-model measures them), or both 0")
     if any(hw[k] > 0 for k in TFLOPS_FIGURES):
         for key in TRANSFER_FIGURES:
             _real(f"hardware.{key}", hw[key], 0, low_open=True,
-                  why=" when TFLOPS figures are set: the planner's step-time model divides by it (bench/calibrate.py "
-                      "measures it), or set the TFLOPS figures to 0 for no prediction")
+                  why=" when TFLOPS figures are set: the planner's step-time model divides by it (python -m "
+                      "engine.calibrate measures it), or set the TFLOPS figures to 0 for no prediction")
     if hw.nvme_gib > 0 or (cfg.engine.nvme_units > 0 and not cfg.plan):
         if not hw.nvme_dir:
             raise ConfigError(f"hardware.nvme_gib={hw.nvme_gib}, engine.nvme_units={cfg.engine.nvme_units}: the NVMe "

@@ -31,8 +31,8 @@ def set_deterministic(enabled: bool) -> None:
     """Switch torch's deterministic-algorithms mode for this process (`train.deterministic`). On: every op must use
     a reproducible algorithm or raise (strict, never a warning: a silently nondeterministic op would defeat the
     point), inductor picks reduction configs that do not depend on timing, the Triton attention kernel skips its
-    autotuning (streamtrain_kernels/attention.py), and cuBLAS gets a fixed workspace. CUBLAS_WORKSPACE_CONFIG takes effect
-    only if it is set before the process's first cuBLAS call, so call this before any CUDA work."""
+    autotuning (streamtrain_kernels/attention.py), and cuBLAS gets a fixed workspace. CUBLAS_WORKSPACE_CONFIG takes
+    effect only if it is set before the process's first cuBLAS call, so call this before any CUDA work."""
     if enabled:
         # another value already set is refused by engine/config.py `validate`
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACES[0])

@@ -1,4 +1,4 @@
-"""Data parallel over torch.distributed (issue 9): the host-resident training state sharded over the ranks.
+"""Data parallel over torch.distributed: the host-resident training state sharded over the ranks.
 
 Launch with torchrun (`torchrun --nproc_per_node=2 train.py ...`): it sets RANK / WORLD_SIZE / LOCAL_RANK and the
 rendezvous; without it (WORLD_SIZE unset or 1) nothing here communicates. NCCL carries the gradients on GPUs, gloo
@@ -18,7 +18,7 @@ reduction on the same stream, and the compute stream waits for that stream once,
 of squares come from the reduced gradient (the accumulation kernel's in-register norms would be the local ones).
 
 State (engine.shard_state, on by default). The units whose state lives in host RAM (GPU-streamed and host-updated,
-DESIGN.md §4) are dealt out to the ranks whole, `owners` balancing their parameter counts; each rank's host holds
+engine/placement.py) are dealt out to the ranks whole, `owners` balancing their parameter counts; each rank's host holds
 the master and moments of its own units only, so W ranks hold one copy of the model between them. A unit's gradient
 is summed onto its owner (a reduce, on the comm stream, as soon as its backward ends); the owner alone takes its norm,
 copies it home and updates it. When the next forward (or backward) loads the unit, the owner fills its slot as one

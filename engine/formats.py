@@ -1,4 +1,4 @@
-"""Training-state formats (DESIGN.md §4, "State formats"): what one parameter costs in each tier, by format.
+"""Training-state formats: what one parameter costs in each tier, by format.
 
 Three typed fields of `train` choose them, each checked at compose time:
 - `train.master_dtype`: fp32 (exact) | bf16 (updated with stochastic rounding);
@@ -21,7 +21,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Tuple
 
-from streamtrain_kernels.adamw_update import BLOCK_SIZE_RANGE  # int8 moments: the fused kernel's tile holds whole blocks
+from streamtrain_kernels.adamw_update import BLOCK_SIZE_RANGE  # int8 moments: whole blocks in the fused kernel's tile
 
 MASTER_DTYPES = ("fp32", "bf16")
 MOMENTS_DTYPES = ("fp32", "bf16", "int8")

@@ -1,6 +1,6 @@
 """The optimizer recipe shared by both engines, and the host-side AdamW of the streaming engine.
 
-Recipe (DESIGN.md §1): torch.optim.AdamW (fused kernel) on fp32 master weights; weight decay on matrices only;
+Recipe: torch.optim.AdamW (fused kernel) on fp32 master weights; weight decay on matrices only;
 global-norm clipping with the norm of the whole gradient; a step whose gradient norm is not finite is skipped and
 leaves weights, moments and Adam's step counter untouched.
 

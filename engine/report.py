@@ -1,6 +1,6 @@
 """Sweep report: run dirs -> one row per job (JSONL), a printed table, and a PNG of TFLOPS and memory.
 
-    python -m engine.report runs/multirun/2026-12-05/19-10-00                  # the context or model-size sweep
+    python -m engine.report runs/multirun/<date>/<time>                        # the context or model-size sweep
     python -m engine.report <sweep dir> --x seq_len --png context.png --jsonl context.jsonl
 
 Depth-truncated runs (fewer decoder layers of a published model's width, e.g. `model=qwen72b

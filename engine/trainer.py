@@ -20,8 +20,15 @@ Exit status (`main`): 0 done (also after stop_at); 2 refused (config, data, plan
 max_consecutive_skips skipped steps, with a checkpoint of the last good state; 128+signal (130 SIGINT, 143
 SIGTERM) when a signal stopped the run after the current step and a checkpoint of it; 5 the optimizer failed (a
 host AdamW pass or the NVMe tier; the message names the unit or the file): the run stops before any later update
-reads the stale state, and its last complete checkpoint resumes. A second signal aborts at once (KeyboardInterrupt
-/ exit 128+signal); the previous complete checkpoint stays loadable, as after SIGKILL.
+reads the stale state, and its last complete checkpoint resumes; 4 a checkpoint could not be written (a full disk,
+an I/O error: the message names the step directory and the free space there; its partial files are removed and
+the previous complete checkpoint stays the newest). A second signal aborts at once (KeyboardInterrupt / exit
+128+signal); the previous complete checkpoint stays loadable, as after SIGKILL.
+
+One run at a time: before anything reads or writes the checkpoint root, the trainer takes the locks of the run dir
+and of the checkpoint root (engine/checkpoint/lock.py; a checkpoint root that cannot be written is refused there
+too); a second run on either is refused naming the holder's pid and host. They are released at the end of `run`
+(or by `close`).
 """
 
 from __future__ import annotations
@@ -51,11 +58,12 @@ from engine.checkpoint import CheckpointError
 from engine.config import ConfigError, to_plain, validate
 from engine.data import DataError, build_data
 from engine.device import resolve_compute_dtype, resolve_device, set_deterministic
+from engine.execution import Execution
 from engine.metrics import MetricsLogger, gpu_peak_mem_gib, host_peak_rss_gib, run_environment
 from engine.model import ModelSpec
-from engine.model.attention import resolve_attention
-from engine.model.dense import LayerCompute, resolve_mlp_chunk_tokens
-from engine.plan import PlanError, build_plan, fused_loss_on, runs_compiled
+from engine.plan import MemoryPlan, PlanError, build_plan
+from engine.reference import ReferenceEngine
+from engine.streaming import StreamEngine
 from engine.streaming.engine import OptimizerPassError
 from engine.streaming.nvme import NvmeError
 
@@ -68,28 +76,20 @@ def host_mem_total_gib() -> float:
     raise RuntimeError("cannot read MemTotal from /proc/meminfo; set hardware.host_mem_gib")
 
 
-def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype, plan,
-                 dp: distributed.DataParallel = distributed.SINGLE):
-    spec.set_layer_compute(layer_compute(spec, cfg, device))
-    if runs_compiled(cfg, device.type == "cuda"):
+def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype,
+                 plan: MemoryPlan, dp: distributed.DataParallel = distributed.SINGLE,
+                 execution: Optional[Execution] = None):
+    """The configured engine over `spec`, executing as `execution` says (resolved for `device` when not given; a
+    backend that cannot run there is a ConfigError); the stream engine is laid out by the plan's placement."""
+    ex = execution or Execution.of(spec, cfg, device.type == "cuda", strict=True)
+    spec.set_layer_compute(ex.layer_compute)
+    if ex.compiled:
         spec.compile_templates(cfg.train.compile_in_process)
-    if fused_loss_on(cfg, device.type == "cuda"):
+    if ex.fused_loss:
         spec.use_fused_loss()
     if cfg.engine.name == "reference":
-        from engine.reference import ReferenceEngine
-
         return ReferenceEngine(spec, cfg, device, compute_dtype, dp)
-    from engine.streaming import StreamEngine
-
-    return StreamEngine(spec, cfg, device, compute_dtype, plan, dp)
-
-
-def layer_compute(spec: ModelSpec, cfg: DictConfig, device: torch.device) -> LayerCompute:
-    """The attention backend and MLP chunk this run's layers use (a backend that cannot run is a ConfigError)."""
-    t = cfg.train
-    attention = resolve_attention(t.attention, device.type, spec.arch.head_dim, spec.sinks_or_window)
-    return LayerCompute(attention=attention,
-                        mlp_chunk_tokens=resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, t.micro_batch_size * t.seq_len))
+    return StreamEngine(spec, cfg, device, compute_dtype, plan.placement, dp)
 
 
 def depth_truncated(cfg: DictConfig, full_depth_layers: Optional[int], gpu_gib: float, host_gib: float,
@@ -178,16 +178,17 @@ class Trainer:
         local_cfg = distributed.local_config(cfg, self.dp)  # this rank's share of the micro-batches
         self.device = resolve_device(cfg.hardware.device)
         self.compute_dtype = resolve_compute_dtype(t.compute_dtype, self.device)
-        self.layer_compute = layer_compute(self.spec, cfg, self.device)  # an attention backend that cannot run
+        # what this run executes, read by the planner and the engine alike (a backend that cannot run is refused)
+        self.execution = Execution.of(self.spec, cfg, self.device.type == "cuda", strict=True)
         gpu_gib = hardware.apply_gpu_cap(cfg.hardware, self.device) if self.device.type == "cuda" else 0.0
         host_gib = (cfg.hardware.host_mem_gib or host_mem_total_gib()) / self.dp.local_world
         # the host state sharded over the data-parallel ranks (engine/distributed.py): no rank holds every unit
         self.sharded = self.dp.active and cfg.engine.name == "stream" and cfg.engine.shard_state
         state_ranks = self.dp.world if self.sharded else 1
         self.plan = build_plan(self.spec, local_cfg, gpu_gib, host_gib, self.device.type == "cuda",
-                               state_ranks=state_ranks)
+                               state_ranks=state_ranks, execution=self.execution)
         # the units whose state this rank holds (engine/distributed.py): it verifies and loads their files only
-        owner = distributed.state_owners(self.spec, self.plan.placement.get("gpu_resident_units", 0),
+        owner = distributed.state_owners(self.spec, self.plan.placement.gpu_resident_units,
                                          self.dp.world) if self.sharded else {}
         self.depth_truncated = depth_truncated(local_cfg, full_depth_layers, gpu_gib, host_gib,
                                                self.device.type == "cuda", state_ranks)
@@ -195,17 +196,21 @@ class Trainer:
             self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size)
         self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else root / "checkpoints"
         self.fingerprint = checkpoint.run_fingerprint(cfg, self.data.fingerprint)
-        # everything a checkpoint can be refused for is checked before the engine allocates
-        with _refusals_named(f"train.resume={t.resume}"):
-            resume_from = checkpoint.find_resume(t.resume, self.ckpt_root, log=self.log)
-            restore = checkpoint.open_training_state(
-                resume_from, self.spec, self.fingerprint,
-                verify_unit=lambda u: owner.get(u, self.dp.rank) == self.dp.rank) if resume_from else None
-        hf = None
-        hf_dir = checkpoint.hf_dir_of(cfg.model.init)
-        if restore is None and hf_dir is not None:
-            with _refusals_named(f"model.init={cfg.model.init}"):
-                hf = checkpoint.open_hf(self.spec, hf_dir)
+        self._take_locks()
+        try:  # everything a checkpoint can be refused for is checked before the engine allocates
+            with _refusals_named(f"train.resume={t.resume}"):
+                resume_from = checkpoint.find_resume(t.resume, self.ckpt_root, log=self.log)
+                restore = checkpoint.open_training_state(
+                    resume_from, self.spec, self.fingerprint,
+                    verify_unit=lambda u: owner.get(u, self.dp.rank) == self.dp.rank) if resume_from else None
+            hf = None
+            hf_dir = checkpoint.hf_dir_of(cfg.model.init)
+            if restore is None and hf_dir is not None:
+                with _refusals_named(f"model.init={cfg.model.init}"):
+                    hf = checkpoint.open_hf(self.spec, hf_dir)
+        except BaseException:
+            self._release_locks()
+            raise
         self.log.open(self.run_dir)  # nothing can refuse the run from here on
         self.log(f"run dir: {self.run_dir}")
         if self.dp.active:
@@ -222,7 +227,7 @@ class Trainer:
                      "look-ahead unit per rank so that all links load at once")
         if self.depth_truncated:
             self.log(depth_truncated_line(self.depth_truncated))
-        lc = self.layer_compute
+        lc = self.execution
         self.log(f"layers: attention {lc.attention} (train.attention={t.attention}), MLP "
                  + (f"in chunks of {lc.mlp_chunk_tokens} tokens" if lc.mlp_chunk_tokens else "unchunked"))
         if t.deterministic:
@@ -230,15 +235,17 @@ class Trainer:
                      f"{os.environ['CUBLAS_WORKSPACE_CONFIG']}, fixed attention kernel configs")
         if t.compile_in_process:
             self.log("torch.compile: kernels built in this process, no compile workers (train.compile_in_process)"
-                     if runs_compiled(cfg, self.device.type == "cuda") else
+                     if self.execution.compiled else
                      "train.compile_in_process=true has nothing to do: the templates run eager")
         torch.manual_seed(cfg.seed)  # and the host RNGs, so that their checkpointed states are reproducible too
         random.seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
-        self.engine = build_engine(self.spec, local_cfg, self.device, self.compute_dtype, self.plan, self.dp)
+        self.engine = build_engine(self.spec, local_cfg, self.device, self.compute_dtype, self.plan, self.dp,
+                                   self.execution)
         for line in getattr(self.engine, "notes", ()):
             self.log(line)
         self.start_step, self.consecutive_skips, self.resumed = 0, 0, None
+        self._saved: Optional[tuple] = None  # (step, path) of this run's last save
         try:
             if restore is not None:
                 state = checkpoint.load_training_state(self.engine, restore)
@@ -253,11 +260,12 @@ class Trainer:
         except BaseException:
             self.engine.close()
             self.log.close()
+            self._release_locks()
             raise
         plain = to_plain(cfg)
         plain["data_description"] = self.data.description
         plain["num_params"] = self.spec.num_params()
-        plain["plan_placement"] = self.plan.placement
+        plain["plan_placement"] = self.plan.placement_settings()
         peak, peak_profile = hardware.peak_tflops(cfg.hardware, self.device, self.compute_dtype)
         peak *= self.dp.world  # tokens/s and TFLOPS are the job's, over all ranks: so is the MFU's denominator
         plain["mfu_peak"] = {"tflops": peak, "profile": peak_profile, "gpus": self.dp.world}
@@ -271,10 +279,44 @@ class Trainer:
         except BaseException:
             self.engine.close()
             self.log.close()
+            self._release_locks()
             raise
         if self.resumed is not None:
             self.metrics.tokens_total = self.resumed.get("tokens_total", 0)
             self.metrics.val_losses = list(self.resumed.get("val_losses", []))
+
+    def _take_locks(self) -> None:
+        """Take the run dir's lock, refuse a checkpoint root that cannot be written, take its lock (rank 0, which
+        owns the root's directory operations); a refusal releases what was taken."""
+        self._locks, self._created = [], []
+        try:
+            if not self.run_dir.is_dir():
+                self.run_dir.mkdir(parents=True)
+                self._created.append(self.run_dir)
+            self._locks.append(checkpoint.DirLock(self.run_dir, "hydra.run.dir", self.log))
+            if self.dp.rank == 0:
+                if checkpoint.check_writable(self.ckpt_root, "train.checkpoint_dir"):
+                    self._created.append(self.ckpt_root)
+                self._locks.append(checkpoint.DirLock(self.ckpt_root, "train.checkpoint_dir", self.log))
+        except BaseException:
+            self._release_locks()
+            raise
+
+    def _release_locks(self) -> None:
+        """Release the locks; remove the directories `_take_locks` created if they stayed empty (a refused run, a
+        run that saved nothing)."""
+        for lock in reversed(self._locks):
+            lock.release()
+        self._locks = []
+        for path in reversed(self._created):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        self._created = []
+
+    def close(self) -> None:
+        """Close the engine and release the locks, for a Trainer whose `run` is not called."""
+        self.engine.close()
+        self._release_locks()
 
     def _train_batches(self, step: int):
         t = self.cfg.train
@@ -287,7 +329,11 @@ class Trainer:
         return self.engine.eval_loss([self.data.batch("val", i, t.micro_batch_size) for i in range(n)])
 
     def _save(self, step: int, pending_tokens: int = 0) -> Path:
-        """Save the full training state after `step` optimizer steps (a no-op if that checkpoint exists)."""
+        """Save the full training state after `step` optimizer steps (replacing a checkpoint of that step); a save
+        that fails raises CheckpointWriteFailed naming the step directory and the free space there. A step this
+        run saved already (a stop right after a periodic save) is not written twice."""
+        if self._saved is not None and self._saved[0] == step:
+            return self._saved[1]
         t = self.cfg.train
         state = {
             "data_position": {"next_step": step, "train_batches_consumed": step * t.grad_accum,
@@ -306,7 +352,12 @@ class Trainer:
             "config": to_plain(self.cfg),
         }
         t0 = time.perf_counter()
-        path = checkpoint.save_training_state(self.engine, self.ckpt_root, step, state, t.keep_checkpoints, self.dp)
+        try:
+            path = checkpoint.save_training_state(self.engine, self.ckpt_root, step, state, t.keep_checkpoints,
+                                                  self.dp, log=self.log)
+        except (OSError, CheckpointError) as err:
+            raise CheckpointWriteFailed(checkpoint.save_failure(self.ckpt_root, step, err)) from err
+        self._saved = (step, path)
         self.log(f"checkpoint of step {step}: {path} ({time.perf_counter() - t0:.1f}s)")
         return path
 
@@ -319,14 +370,14 @@ class Trainer:
             if problem:
                 raise PlanError(problem)
             print("the plan fits")
-            return {"plan": self.plan.rows, "placement": self.plan.placement}
+            return {"plan": self.plan.rows, "placement": self.plan.placement_settings()}
         t = self.cfg.train
         summary_extra = {"num_params": self.spec.num_params(), "engine": self.cfg.engine.name,
                          "memory_plan_gib": {tier: self.plan.total(tier) / 2**30 for tier in ("gpu", "host")},
                          "memory_plan_allocated_gib": {tier: self.plan.allocated(tier) / 2**30
                                                        for tier in ("gpu", "host")},
-                         "plan_times_s": self.plan.times_s, "attention": self.layer_compute.attention,
-                         "mlp_chunk_tokens": self.layer_compute.mlp_chunk_tokens,
+                         "plan_times_s": self.plan.times_s, "attention": self.execution.attention,
+                         "mlp_chunk_tokens": self.execution.mlp_chunk_tokens,
                          "memory_bytes": self.engine.memory_bytes(), "start_step": self.start_step,
                          "depth_truncated": self.depth_truncated, "environment": run_environment()}
         stopped = None
@@ -401,9 +452,12 @@ class Trainer:
                 self.engine.close()
                 self.dp.close()
             finally:
-                self.log(f"run dir: {self.run_dir} (metrics.jsonl, summary.json, train.log"
-                         + (", checkpoints/)" if self.ckpt_root.is_dir() else ")"))
+                saved = bool(checkpoint.list_checkpoints(self.ckpt_root)[0])
+                where = ", checkpoints/)" if self.ckpt_root == self.run_dir / "checkpoints" else \
+                    f"); checkpoints: {self.ckpt_root}"
+                self.log(f"run dir: {self.run_dir} (metrics.jsonl, summary.json, train.log" + (where if saved else ")"))
                 self.log.close()
+                self._release_locks()
         return summary
 
 
@@ -418,6 +472,10 @@ def _refusals_named(field: str):
 
 class TrainingDiverged(RuntimeError):
     """train.max_consecutive_skips steps in a row were skipped; a checkpoint of the last good state was saved."""
+
+
+class CheckpointWriteFailed(RuntimeError):
+    """A checkpoint could not be written; its partial files are removed, the previous checkpoint is the newest."""
 
 
 class _StopSignals:
@@ -485,6 +543,9 @@ def main(cfg: DictConfig) -> dict:
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(3) from None
+    except CheckpointWriteFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(4) from None
     except (OptimizerPassError, NvmeError) as err:
         print(f"error: {err}. The training state is stale from this step on; resume from the last checkpoint "
               "(train.resume=auto)", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""One fused AdamW step over a unit's flat state, in any of the state formats of issue 18.
+"""One fused AdamW step over a unit's flat state, in any of the training-state formats (fp32 or bf16 master, fp32,
+bf16 or int8 moments).
 
 `adamw_update(master, m, v, grad, lr=, clip=, step=, ...)` reads the master weights, both moments (dequantizing),
 the gradient, the clip scale and the learning rate (0-d device tensors: no host round trip), applies AdamW in fp32,

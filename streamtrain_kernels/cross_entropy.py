@@ -56,8 +56,8 @@ without a host-side check that would sync the device; its gradient row is then s
 Interpreter (TRITON_INTERPRET=1, CPU tests): loads are upcast to fp32 at once, one small BLOCK (256) so that
 test-sized vocabularies loop over several blocks, and its fp32 -> bf16 stores truncate (the GPU rounds to
 nearest). On a CPU without the interpreter the per-chunk softmax step is the torch reference
-(streamtrain_kernels/reference.py `cross_entropy_grad_reference`). Autocast is disabled inside: the matmuls run in the dtype
-of the given tensors.
+(streamtrain_kernels/reference.py `cross_entropy_grad_reference`). Autocast is disabled inside: the matmuls run in
+the dtype of the given tensors.
 """
 
 from __future__ import annotations

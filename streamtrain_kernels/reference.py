@@ -77,8 +77,8 @@ def _mul_hi_lo_u32(a: torch.Tensor, b: int):
 
 def philox_reference(seed: int, counter: torch.Tensor):
     """Philox-4x32-10 of counters (counter mod 2**32, counter >> 32, 0, 0) under key (seed low, seed high 32 bits):
-    the generator of streamtrain_kernels/grad_accum.py. `counter`: int64 tensor of non-negative values. Returns four int64
-    tensors holding uint32 words."""
+    the generator of streamtrain_kernels/grad_accum.py. `counter`: int64 tensor of non-negative values. Returns four
+    int64 tensors holding uint32 words."""
     seed = int(seed) & (2**64 - 1)
     c0 = counter & _M32
     c1 = (counter >> 32) & _M32

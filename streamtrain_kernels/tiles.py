@@ -33,8 +33,8 @@ compiler to scalar (one-element) accesses. When every address is 16-byte aligned
 allocator), the table says `aligned` and the kernel is compiled with `tl.multiple_of` hints, so that full blocks
 can load and store in 16-byte vectors (`ld.global.v4` / `st.global.v4`; tail blocks stay scalar); otherwise a
 hint-free variant runs (correct, slower). BLOCK = 8192 elements, 4 warps: 64 elements per thread. Measured on an
-H100 (bench_grad_accum.py --sweep, 2026-12-05): 8 warps reached only 0.76-0.86 of the copy rate on bf16 gradients,
-4 warps 0.96-1.0 (fp32 0.99).
+H100 (bench/results/grad_accum_h100_2026-12-05.jsonl, `bench_grad_accum --sweep`): 8 warps reached only 0.76-0.86 of
+the copy rate on bf16 gradients, 4 warps 0.96-1.0 (fp32 0.99).
 
 Norms: deterministic two-stage reduction
 ----------------------------------------
@@ -168,8 +168,8 @@ def uses_triton(device: torch.device) -> bool:
     """True when kernels launch (CUDA tensors, or CPU tensors under the interpreter); False: torch fallback."""
     if device.type == "cuda":
         if INTERPRETED:
-            raise RuntimeError("streamtrain_kernels: CUDA tensors with TRITON_INTERPRET=1: the tensor table holds device "
-                               "addresses the interpreter cannot read; run with TRITON_INTERPRET=0")
+            raise RuntimeError("streamtrain_kernels: CUDA tensors with TRITON_INTERPRET=1: the tensor table holds "
+                               "device addresses the interpreter cannot read; run with TRITON_INTERPRET=0")
         return True
     return INTERPRETED
 

@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from engine import config
-from engine.config import ATTENTION_FIGURES, MOE_FIGURES, TFLOPS_FIGURES, TRANSFER_FIGURES, Config, ConfigError, check_overrides, validate
+from engine.config import (ATTENTION_FIGURES, MOE_FIGURES, TFLOPS_FIGURES, TRANSFER_FIGURES, Config, ConfigError,
+                           check_overrides, validate)
 from engine.metrics import count_params
 from engine.model import ModelSpec
 from tests.util import make_cfg
@@ -433,7 +434,7 @@ def test_conf_dir_is_the_repository_conf_in_a_checkout():
 
 
 @pytest.mark.parametrize("override, new", [("engine.device_optimizer_units=3", "engine.gpu_resident_units"),
-                                           ("hardware.achieved_tflops=480", "bench/calibrate.py"),
+                                           ("hardware.achieved_tflops=480", "python -m engine.calibrate"),
                                            ("train.precision=fp32_master", "train.master_dtype")])
 def test_keys_renamed_by_performance_ii_point_to_their_successors(override, new):
     message = refusal([override])

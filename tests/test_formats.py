@@ -42,7 +42,7 @@ def test_a_low_precision_format_puts_every_update_on_the_gpu(on_gpu):
     plan = _plan(["train.micro_batch_size=2", "train.grad_accum=8", "train.master_dtype=bf16",
                   "train.moments_dtype=bf16"], on_gpu=on_gpu)
     p = plan.placement
-    assert p["gpu_resident_units"] + p["gpu_streamed_units"] == 30  # embedding, 28 layers, head
+    assert p.gpu_resident_units + p.gpu_streamed_units == 30  # embedding, 28 layers, head
     if on_gpu:
         assert plan.times_s["host_adamw"] == 0.0
 

@@ -209,17 +209,17 @@ def test_the_planner_counts_host_gradients_and_staging_at_two_bytes(grads_tier):
 def test_the_time_model_halves_the_gradient_d2h():
     """With the link made the bottleneck of every layer's backward, the backward takes half as long."""
     from engine.formats import StateFormat
-    from engine.plan import Speeds, _Shape, predict_stream
+    from engine.placement import Placement
+    from engine.plan import Speeds, StepShape, predict_stream
 
-    placement = {"gpu_resident_units": 0, "gpu_streamed_units": 0, "cache_weights": "off", "grads_tier": "host",
-                 "activation_tier": "gpu", "recompute_group": 1, "keep_activation_layers": 0, "slots": 2}
     backward = {}
     for dtype in ("fp32", "bf16"):
         cfg = make_cfg(["engine=stream", "hardware=h200", "plan=true", *RECIPE, f"train.grad_transfer_dtype={dtype}"])
         spec = ModelSpec(cfg.model)
         sp = Speeds(cfg.hardware, compiled=True)
         sp.d2h = 1e3  # bytes/s: the gradients' D2H dwarfs compute and weight loads
-        shape = _Shape(spec, cfg, True, StateFormat.of(cfg.train))
+        shape = StepShape(spec, cfg, True, StateFormat.of(cfg.train))
+        placement = Placement(n_units=len(spec.units), activation_tier="gpu")  # every update on the host
         backward[dtype] = predict_stream(shape, sp, placement)[0]["backward"]
     layers = sum(u.layout.numel for u in spec.layer_units)
     assert backward["fp32"] == pytest.approx(4 * layers / 1e3, rel=1e-4)

@@ -4,7 +4,7 @@
   the interpreter): outputs, routing load, the balance loss the layer reports, and the gradients of the input and of
   every parameter, the balance term's injected gradient included (coef 0.25, `RouterStats.attach`), with chunks
   that do not divide the token count and that straddle the two sequences.
-- `layer_compute` chunks MoE layers as it does dense ones: auto above 64K tokens per micro-batch, N as asked.
+- `Execution` chunks MoE layers as it does dense ones: auto above 64K tokens per micro-batch, N as asked.
 - Both engines train bit-identically with a chunked MoE block.
 - `moe.activation_bytes_per_token` is what autograd saves for the routed block, per token: saved-tensor hooks on the
   CPU, eager (bf16 autocast, fp32) and compiled (torch.compile's min-cut partitioner, bf16 autocast), with the [E]
@@ -20,7 +20,7 @@ import torch
 from engine.model import ModelSpec, moe
 from engine.model.dense import AUTO_MLP_CHUNK_TOKENS, LayerCompute
 from engine.plan import layer_activation_bytes_per_token
-from engine.trainer import layer_compute
+from engine.execution import Execution
 from tests.test_engine_equivalence import FAMILIES, assert_same, train
 from tests.test_moe_vs_hf import B, COMMON, CASES, T, case_cfg, hf_model, make_spec, our_params
 from tests.test_plan import _SdpaLike
@@ -64,7 +64,7 @@ def test_chunked_layer_matches_unchunked(case, chunk):
 def test_layer_compute_chunks_moe_layers_like_dense_ones():
     def chunk(overrides):
         cfg = make_cfg([*COMMON, *CASES["qwen3_moe"], *overrides])
-        return layer_compute(ModelSpec(cfg.model), cfg, torch.device("cpu")).mlp_chunk_tokens
+        return Execution.of(ModelSpec(cfg.model), cfg, on_gpu=False, strict=True).mlp_chunk_tokens
 
     long = ["model.max_position_embeddings=131072", "train.seq_len=131072", "train.micro_batch_size=1"]
     assert chunk(long) == AUTO_MLP_CHUNK_TOKENS

@@ -167,15 +167,14 @@ def test_planner_moves_only_the_layers_the_host_needs(tmp_path):
     assert "host memory" in alone.problem()
     cfg = make_cfg([*common, f"hardware.nvme_dir={tmp_path}", "hardware.nvme_gib=60", "hardware.nvme_gbps=2"])
     plan = build_plan(spec, cfg, cfg.hardware.gpu_mem_gib, 125.0, on_gpu=True)
-    n = plan.placement["nvme_units"]
+    n = plan.placement.nvme_units
     assert n > 0 and not plan.problem()
-    first_host = plan.placement["gpu_resident_units"] + plan.placement["gpu_streamed_units"]
-    disk = nvme.nvme_layers(len(spec.units), first_host, n)
+    disk = plan.placement.disk_units
     assert disk[-1] == spec.num_layers and len(disk) == n
     assert plan.total("nvme") == nvme.file_bytes([spec.units[u].layout.numel for u in disk]) <= 60 * 2**30
     fewer = build_plan(spec, make_cfg([*common, f"hardware.nvme_dir={tmp_path}", "hardware.nvme_gib=60",
                                        "hardware.nvme_gbps=2", f"engine.nvme_units={n - 1}",
-                                       *[f"engine.{k}={plan.placement[k]}" for k in
+                                       *[f"engine.{k}={plan.placement.as_dict()[k]}" for k in
                                          ("gpu_resident_units", "gpu_streamed_units", "recompute_group",
                                           "keep_activation_layers")]]),
                        cfg.hardware.gpu_mem_gib, 125.0, on_gpu=True, check=False)

@@ -62,8 +62,8 @@ def test_the_split_uses_all_three_places_when_hbm_is_short_of_the_whole_state():
     plan = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=8"])
     p = plan.placement
     n_units = 30
-    assert p["gpu_resident_units"] > 0 and p["gpu_streamed_units"] > 0
-    assert p["gpu_resident_units"] + p["gpu_streamed_units"] < n_units
+    assert p.gpu_resident_units > 0 and p.gpu_streamed_units > 0
+    assert p.gpu_resident_units + p.gpu_streamed_units < n_units
     assert not plan.problem()
     assert plan.times_s["exposed_wait"] <= 0.01 * plan.times_s["step"]
     assert "GPU-streamed" in plan.table() and "calibrat" in plan.table()
@@ -103,16 +103,16 @@ def test_an_eager_run_plans_its_process_without_the_compile_workers(engine):
 def test_a_smaller_gpu_moves_units_off_it_and_a_fixed_split_is_kept():
     roomy = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2"]).placement
     small = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2"], gpu_gib=60.0).placement
-    assert small["gpu_resident_units"] < roomy["gpu_resident_units"]
+    assert small.gpu_resident_units < roomy.gpu_resident_units
     fixed = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=2", "engine.gpu_resident_units=3",
                           "engine.gpu_streamed_units=7"]).placement
-    assert (fixed["gpu_resident_units"], fixed["gpu_streamed_units"]) == (3, 7)
+    assert (fixed.gpu_resident_units, fixed.gpu_streamed_units) == (3, 7)
 
 
 def test_without_calibrated_speeds_every_update_stays_on_the_host():
     zero = [f"hardware.{k}_tflops_{m}=0" for k in ("fwd", "bwd", "head") for m in ("compiled", "eager")]
     plan = _stream_plan(["train.micro_batch_size=2", "train.grad_accum=8", *zero])
-    assert (plan.placement["gpu_resident_units"], plan.placement["gpu_streamed_units"]) == (0, 0)
+    assert (plan.placement.gpu_resident_units, plan.placement.gpu_streamed_units) == (0, 0)
     assert not plan.times_s
 
 
@@ -131,10 +131,10 @@ def test_spare_hbm_keeps_graphs_where_that_is_fastest_and_a_fixed_count_is_kept(
         return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False)
 
     auto, none = qwen3b([]), qwen3b(["engine.keep_activation_layers=0"])
-    assert auto.placement["keep_activation_layers"] > 0 and none.placement["keep_activation_layers"] == 0
+    assert auto.placement.keep_activation_layers > 0 and none.placement.keep_activation_layers == 0
     assert auto.times_s["backward"] < none.times_s["backward"] and auto.times_s["step"] < none.times_s["step"]
     assert not auto.problem() and auto.total("gpu") <= 139.0 * 2**30
-    assert qwen3b(["engine.keep_activation_layers=3"]).placement["keep_activation_layers"] == 3
+    assert qwen3b(["engine.keep_activation_layers=3"]).placement.keep_activation_layers == 3
 
 
 def test_the_margin_is_reserved_not_allocated():
@@ -205,7 +205,7 @@ def test_an_eager_run_plans_fewer_kept_graphs_than_a_compiled_one():
     kept = {}
     for mode in ("on", "off"):
         cfg = make_cfg(over + [f"train.compile={mode}"])
-        kept[mode] = build_plan(spec, cfg, 139.0, 125.0, on_gpu=True).placement["keep_activation_layers"]
+        kept[mode] = build_plan(spec, cfg, 139.0, 125.0, on_gpu=True).placement.keep_activation_layers
     assert kept["off"] < kept["on"]
 
 
@@ -227,7 +227,7 @@ def test_sharded_state_plans_the_fullest_ranks_share_of_the_host_state():
     whole, shard = (build_plan(spec, cfg, gpu_gib=78.5, host_gib=557.0 / 8, on_gpu=True, check=False, state_ranks=n)
                     for n in (1, 8))
     state_row = lambda plan: next(b for tier, item, b in plan.rows if tier == "host" and "Adam m + v" in item)  # noqa
-    owner = state_owners(spec, shard.placement["gpu_resident_units"], 8)
+    owner = state_owners(spec, shard.placement.gpu_resident_units, 8)
     fullest = max(sum(spec.units[u].layout.numel for u in owner if owner[u] == r) for r in range(8))
     assert state_row(shard) == 12 * fullest  # fp32 master + m + v of the fullest rank's units
     layer = spec.units[1].layout.numel
@@ -271,7 +271,7 @@ def test_a_moe_plan_times_its_layers_at_the_moe_figures_or_says_it_has_none():
     note = "MoE layers are timed at a dense layer's figures"
     dense = plan(["+experiment=gptoss20b_h200"])
     assert note in dense.speeds and note not in plan(["+experiment=qwen14b_h200"]).speeds
-    fixed = [f"engine.{k}={v}" for k, v in dense.placement.items()]  # the same placement whatever the speeds
+    fixed = [f"engine.{k}={v}" for k, v in dense.placement_settings().items()]  # the same placement whatever the speeds
     dense = plan(["+experiment=gptoss20b_h200", *fixed])
     h200 = make_cfg(["hardware=h200", "plan=true"]).hardware
     fwd, bwd = h200.fwd_tflops_compiled, h200.bwd_tflops_compiled

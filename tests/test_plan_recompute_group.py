@@ -3,12 +3,13 @@ GPU row, the extra forwards and weight loads in the predicted backward, and the 
 smallest g that fits)."""
 
 import re
+from dataclasses import replace
 
 import pytest
 
 from engine.formats import StateFormat
 from engine.model import ModelSpec
-from engine.plan import GIB, PlanError, Speeds, _Shape, build_plan, predict_stream
+from engine.plan import GIB, PlanError, Speeds, StepShape, build_plan, predict_stream
 from tests.util import make_cfg
 
 # the Triton attention (SDPA's GQA backward would add 14 GiB of expanded K/V at this length, plan.layer_working_bytes)
@@ -40,9 +41,9 @@ def test_a_plan_that_fits_keeps_every_input_as_before():
     base = ["model=qwen7b", "engine=stream", "hardware=h200", "train=throughput", "train.seq_len=4096",
             "train.micro_batch_size=2", "train.grad_accum=8", "plan=true"]
     auto, one = _plan([], base=base), _plan(["engine.recompute_group=1"], base=base)
-    assert auto.placement["recompute_group"] == 1 and not auto.problem()
+    assert auto.placement.recompute_group == 1 and not auto.problem()
     assert not any(name.startswith("regenerated") for _, name, _ in auto.rows)
-    recomputed = 28 - auto.placement["keep_activation_layers"]
+    recomputed = 28 - auto.placement.keep_activation_layers
     assert _row(auto, ACTIVATIONS) == recomputed * 4 * 3584 * 65536
     assert (auto.rows, auto.placement, auto.times_s) == (one.rows, one.placement, one.times_s)
     assert "recompute_group=1," in auto.table()
@@ -52,7 +53,7 @@ def test_auto_takes_the_smallest_group_that_fits_only_when_every_input_kept_does
     """qwen7b at 512K tokens in fp32 state: 196 GiB of inputs fit with no g below 4; auto plans 4 (the same plan as
     asking for it), and the table shows it."""
     auto = _plan([])
-    assert not auto.problem() and auto.placement["recompute_group"] == 4
+    assert not auto.problem() and auto.placement.recompute_group == 4
     assert auto.total("host") <= 125 * GIB and auto.total("gpu") <= 139 * GIB
     for g in (1, 2, 3):
         assert _plan([f"engine.recompute_group={g}"]).problem(), g
@@ -75,7 +76,7 @@ def test_the_rows_count_the_kept_inputs_and_one_regenerated_group():
 
 def test_an_explicit_group_size_is_kept_and_one_that_does_not_fit_is_refused():
     plan = _plan(["engine.recompute_group=6"])
-    assert plan.placement["recompute_group"] == 6 and not plan.problem()
+    assert plan.placement.recompute_group == 6 and not plan.problem()
     with pytest.raises(PlanError) as e:
         _plan(["engine.recompute_group=2"], check=True)
     assert "recompute_group=2," in str(e.value) and "No engine.recompute_group" not in str(e.value)
@@ -96,7 +97,7 @@ def test_a_refusal_at_every_group_size_says_so_and_names_the_formats_that_fit_wi
 
 def test_the_low_precision_formats_fit_512k_with_smaller_groups():
     plan = _plan(SMALL_STATE)
-    assert not plan.problem() and plan.placement["recompute_group"] == 2
+    assert not plan.problem() and plan.placement.recompute_group == 2
 
 
 def test_the_backward_pays_the_regenerating_forwards_and_weight_loads():
@@ -107,15 +108,15 @@ def test_the_backward_pays_the_regenerating_forwards_and_weight_loads():
                     "engine.activation_tier=host", "engine.grads_tier=gpu", "engine.cache_weights=off",
                     "engine.gpu_resident_units=0", "engine.gpu_streamed_units=0"])
     spec = ModelSpec(cfg.model)
-    s = _Shape(spec, cfg, on_gpu=True, fmt=StateFormat.of(cfg.train))
+    s = StepShape(spec, cfg, on_gpu=True, fmt=StateFormat.of(cfg.train))
     sp = Speeds(cfg.hardware, compiled=True)
     placement = build_plan(spec, cfg, 139.0, 1000.0, on_gpu=True).placement
-    assert placement["recompute_group"] == 4
-    four, one = (predict_stream(s, sp, {**placement, "recompute_group": g})[0] for g in (4, 1))
+    assert placement.recompute_group == 4
+    four, one = (predict_stream(s, sp, replace(placement, recompute_group=g))[0] for g in (4, 1))
     assert four["backward"] - one["backward"] == pytest.approx(sp.layer_fwd_s(s, 21), rel=1e-9)
     assert one["forward_d2h"] - four["forward_d2h"] == pytest.approx(21 * _layer_input_bytes() / sp.d2h, rel=1e-9)
     sp.fwd = sp.bwd = sp.attn_fwd = sp.attn_bwd = 1e30
-    four, one = (predict_stream(s, sp, {**placement, "recompute_group": g})[0] for g in (4, 1))
+    four, one = (predict_stream(s, sp, replace(placement, recompute_group=g))[0] for g in (4, 1))
     weights = s.fmt.master_bytes(s.layer_numel) / sp.h2d
     assert four["backward"] - one["backward"] == pytest.approx(21 * (weights - _layer_input_bytes() / sp.h2d),
                                                                rel=1e-9)
@@ -124,7 +125,7 @@ def test_the_backward_pays_the_regenerating_forwards_and_weight_loads():
 @pytest.mark.parametrize("value, planned", [(-1, 1), (2, 2)])
 def test_a_cpu_plan_takes_the_configured_group_size(value, planned):
     plan = _plan([f"engine.recompute_group={value}"], base=["model=tiny", "engine=stream"], on_gpu=False)
-    assert plan.placement["recompute_group"] == planned
+    assert plan.placement.recompute_group == planned
 
 
 def test_attention_figures_time_the_layers_attention_apart():
@@ -136,7 +137,7 @@ def test_attention_figures_time_the_layers_attention_apart():
              "engine.gpu_streamed_units=0", *SMALL_STATE]
     cfg = make_cfg([*LONG, *fixed, "hardware.attn_fwd_tflops=0", "hardware.attn_bwd_tflops=0"])
     spec = ModelSpec(cfg.model)
-    s = _Shape(spec, cfg, on_gpu=True, fmt=StateFormat.of(cfg.train))
+    s = StepShape(spec, cfg, on_gpu=True, fmt=StateFormat.of(cfg.train))
     assert 0.85 < s.layer_attn_fwd_flops / s.layer_fwd_flops < 0.95
     placement = build_plan(spec, cfg, 139.0, 125.0, on_gpu=True, check=False).placement
     hw = cfg.hardware
@@ -178,7 +179,7 @@ def test_a_chunked_mlp_pays_one_more_mlp_forward_in_each_backward():
     shapes = {}
     for chunk in (-1, 0):
         cfg = make_cfg([*base, f"train.mlp_chunk_tokens={chunk}"])
-        shapes[chunk] = (_Shape(ModelSpec(cfg.model), cfg, on_gpu=True, fmt=StateFormat.of(cfg.train)), cfg)
+        shapes[chunk] = (StepShape(ModelSpec(cfg.model), cfg, on_gpu=True, fmt=StateFormat.of(cfg.train)), cfg)
     (chunked, cfg), (whole, _) = shapes[-1], shapes[0]
     assert chunked.mlp_chunk_tokens == 32768 and whole.mlp_recompute_flops == 0
     assert chunked.mlp_recompute_flops == 2 * 3 * 3584 * 18944 * 131072  # gate, up and down over the step's tokens

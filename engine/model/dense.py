@@ -239,8 +239,8 @@ def chunk_loss_sum(norm_w: torch.Tensor, lm_w: torch.Tensor, x_ND: torch.Tensor,
 
 def fused_loss_sum(p: Params, x_BTD: torch.Tensor, labels_BT: torch.Tensor, a: DenseArch,
                    tied_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`loss_sum` with the LM head and cross-entropy fused (streamtrain_kernels/cross_entropy.py): each chunk's gradient is
-    finished in the forward, so the backward recomputes no logits (3 head matmuls instead of 4). The final norm runs
+    """`loss_sum` with the LM head and cross-entropy fused (streamtrain_kernels/cross_entropy.py): each chunk's gradient
+    is finished in the forward, so the backward recomputes no logits (3 head matmuls instead of 4). The final norm runs
     in torch over all tokens; its output and the head matrix are cast to the autocast dtype as F.linear would."""
     x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
     y_ND = rms_norm(x_ND, p[FINAL_NORM], a.eps)

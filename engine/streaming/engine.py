@@ -1,4 +1,4 @@
-"""StreamEngine: the streaming engine's step, the one place that orders work (DESIGN.md §3).
+"""StreamEngine: the streaming engine's step, the one place that orders work.
 
 One step over M micro-batches:
 1. Forward, layer-major. The embedding, then each decoder layer is visited once: its weights arrive in a slot
@@ -26,16 +26,16 @@ One step over M micro-batches:
    (a scatter-add, no weights). The head and the embedding take their sums of squares at their last accumulation too (a
    tied embedding's: the lookup's last micro-batch, after the head's adds).
 4. Optimizer. The global norm (`optim.global_norm` of the sums of squares) needs every gradient, so the host reads it
-   once, after the backward (the step's single synchronisation). A non-finite norm skips the update. Otherwise each
-   unit is updated in the place the plan gave it (DESIGN.md §4), in forward order: the leading `gpu_resident_units`
+   once, after the backward (the step's single synchronisation). A non-finite norm skips the update. Otherwise each unit
+   is updated in the place the plan gave it (engine/placement.py), in forward order: the leading `gpu_resident_units`
    (state in GPU memory) at once on the compute stream; the next `gpu_streamed_units` (state in pinned host memory) on
-   the GPU when the next forward loads them, their master, m and v coming in over H2D and going back over D2H, the
-   fresh weights cast straight into their slot (engine/streaming/streamed_update.py); the rest by a worker thread
-   running the host AdamW unit by unit, fetching GPU-tier gradients through a two-deep pinned staging pair and raising
-   each unit's "updated" flag. The next step's forward streams unit u as soon as its flag is up, so the host update of
-   step t overlaps the forward of step t+1, with a lead of the GPU-updated units' forward time. Every read of a
-   gradient accumulator (D2H, the optimizer's fetch, a GPU update) records an event that the next overwrite of that
-   accumulator waits for (engine/streaming/gradients.py).
+   the GPU when the next forward loads them, their master, m and v coming in over H2D and going back over D2H, the fresh
+   weights cast straight into their slot (engine/streaming/streamed_update.py); the rest by a worker thread running the
+   host AdamW unit by unit, fetching GPU-tier gradients through a two-deep pinned staging pair and raising each unit's
+   "updated" flag. The next step's forward streams unit u as soon as its flag is up, so the host update of step t
+   overlaps the forward of step t+1, with a lead of the GPU-updated units' forward time. Every read of a gradient
+   accumulator (D2H, the optimizer's fetch, a GPU update) records an event that the next overwrite of that accumulator
+   waits for (engine/streaming/gradients.py).
 
 The embedding and head are streamed like layers (their master weights and moments stay on the host, so a 24 GB
 GPU can train a 150K-vocabulary model), each into a slot of its own: they differ in size from a layer, and a ring
@@ -91,12 +91,12 @@ from engine.device import Device, autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
 from streamtrain_kernels.grad_accum import to_bf16_stochastic
 from engine.model import ModelSpec, backprop
-from engine.plan import kept_layer_inputs
 from engine.optim import FlatAdamW
+from engine.placement import Placement
 from engine.streaming.activations import ActivationStore
 from engine.streaming.gradients import GradAccumulator, transfer_seed
 from engine.streaming.host_store import HostStore, init_master
-from engine.streaming.nvme import MomentFile, NvmeError, nvme_layers
+from engine.streaming.nvme import MomentFile, NvmeError
 from engine.streaming.slots import Slot, WeightLoader
 from engine.streaming.stall_timer import StallTimer
 from engine.streaming.streamed_update import StreamedUpdater
@@ -120,32 +120,32 @@ def _leaves(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 class StreamEngine:
     name = "stream"
 
-    def __init__(self, spec: ModelSpec, cfg, device: torch.device, compute_dtype: torch.dtype, plan,
+    def __init__(self, spec: ModelSpec, cfg, device: torch.device, compute_dtype: torch.dtype, placement: Placement,
                  dp: DataParallel = SINGLE):
         t = cfg.train
         self.spec, self.t, self.compute_dtype, self.dp = spec, t, compute_dtype, dp
         self.dev = Device(device)
-        placement = plan.placement
-        self.grads_on_gpu = placement["grads_tier"] == "gpu"
-        self.cache_weights = placement["cache_weights"] == "on"
-        activations_on_gpu = placement["activation_tier"] == "gpu"
+        if placement.n_units != len(spec.units):
+            raise ValueError(f"a placement of {placement.n_units} units for a model of {len(spec.units)}")
+        self.placement = placement
+        self.grads_on_gpu = placement.grads_tier == "gpu"
+        self.cache_weights = placement.cache_weights
+        activations_on_gpu = placement.activation_tier == "gpu"
         L, M = spec.num_layers, t.grad_accum
         self.shape_BTD = (t.micro_batch_size, t.seq_len, spec.arch.hidden)
         B, T, D = self.shape_BTD
         # recompute groups: of the recomputed layers (all but the last `keep_activation_layers`), only the inputs
         # with index i % recompute_group == 0 are kept; the backward regenerates the others (`_regenerate`)
-        n_kept = placement.get("keep_activation_layers", 0)
-        self.recompute_group = placement.get("recompute_group", 1)
-        self.stored_inputs = list(kept_layer_inputs(L, n_kept, self.recompute_group))
+        self.recompute_group = placement.recompute_group
+        self.stored_inputs = list(placement.kept_layer_inputs)
         activation_numel = 0 if activations_on_gpu else len(self.stored_inputs) * M * B * T * D
         n_units = len(spec.units)
-        # the three update places (DESIGN.md §4), in forward order: GPU-resident, GPU-streamed, host
-        n_resident = placement.get("gpu_resident_units", 0)
-        n_streamed = placement.get("gpu_streamed_units", 0)
-        self.resident_units = set(range(n_resident))
-        self.streamed_units = list(range(n_resident, min(n_units, n_resident + n_streamed)))
-        self.host_units = list(range(n_resident + len(self.streamed_units), n_units))
-        self.gpu_updated = self.resident_units | set(self.streamed_units)
+        # the three update places (engine/placement.py), in forward order: GPU-resident, GPU-streamed, host
+        n_resident = placement.gpu_resident_units
+        self.resident_units = set(placement.resident_units)
+        self.streamed_units = list(placement.streamed_units)
+        self.host_units = list(placement.host_units)
+        self.gpu_updated = set(placement.gpu_updated_units)
         self.seed = cfg.seed
         # bf16 transfer (train.grad_transfer_dtype): the host-updated units' gradients cross the link as bf16
         self.transfer_bf16 = t.grad_transfer_dtype == "bf16" and bool(self.host_units)
@@ -159,8 +159,8 @@ class StreamEngine:
             raise ValueError(f"{self.fmt.overrides()} is updated on the GPU only (the host AdamW runs fp32 state), "
                              f"but the placement leaves units {self.host_units[0]}..{self.host_units[-1]} to it")
         # the NVMe tier: the Adam moments of the last host-updated units live in a file (engine/streaming/nvme.py)
-        n_disk = placement.get("nvme_units", 0)
-        disk_units = nvme_layers(n_units, n_resident + len(self.streamed_units), n_disk)
+        n_disk = placement.nvme_units
+        disk_units = placement.disk_units
         if len(disk_units) < n_disk:
             raise ValueError(f"engine.nvme_units={n_disk}, but only {len(disk_units)} decoder layers are "
                              "host-updated")
@@ -216,13 +216,13 @@ class StreamEngine:
         layer_layouts = [u.layout for u in spec.layer_units]
         self.embed_slot = self.loader.new_slot([layouts[0]])
         self.head_slot = self.loader.new_slot([layouts[-1]])
-        n_layer_slots = L if self.cache_weights else min(cfg.engine.slots, L)
+        n_layer_slots = L if self.cache_weights else placement.slots
         self.layer_slots = [self.loader.new_slot(layer_layouts) for _ in range(n_layer_slots)]
         self.device_slots = {} if self.cache_weights else {
             u: self.loader.new_slot([layouts[u]]) for u in sorted(self.resident_units) if 0 < u <= L}
         # the last `keep_activation_layers` layers keep their forward's autograd graph (no recompute); the graph
         # reads the layer's weights in its slot, so each has a slot of its own until its backward
-        self.kept_layers = set(range(L - n_kept + 1, L + 1))
+        self.kept_layers = set(range(L - placement.keep_activation_layers + 1, L + 1))
         self.kept_slots = {} if self.cache_weights else {
             u: self.loader.new_slot([layouts[u]]) for u in sorted(self.kept_layers) if u not in self.device_slots}
         self.graphs: Dict[Tuple[int, int], tuple] = {}  # (layer unit, micro-batch) -> (input leaf, output, params)

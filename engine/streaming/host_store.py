@@ -41,9 +41,8 @@ LOW_PRECISION_INIT_SCRATCH_BYTES = 8 * 2**30  # fp32 copies of units being drawn
 def init_copies(master_dtype: str, numels: Sequence[int]) -> int:
     """How many units `HostStore` initialises at once when each holds an fp32 copy of its unit (a low-precision
     master is drawn in fp32, then rounded): up to 4, as many as fit in 8 GiB of copies, at least one. 0 for an fp32
-    master (drawn in place). The planner counts the copies at start-up (engine/plan.py). Without the cap, four
-    gpt-oss-120b layers in flight hold 51 GB of fp32 beside their bf16 masters: the likely cause of the 4-layer run's
-    host peak of 63 GiB against a 40 GiB plan (H200, 2026-12-06)."""
+    master (drawn in place). The planner counts the copies at start-up (engine/plan/stream.py). Without the cap, four
+    gpt-oss-120b layers in flight would hold 51 GB of fp32 beside their bf16 masters."""
     if master_dtype == "fp32" or not numels:
         return 0
     per_copy = 4 * max(numels)

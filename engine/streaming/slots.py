@@ -1,7 +1,8 @@
 """Weight slots and the copy streams that fill them, and the events that order them.
 
 Three streams: compute (the current stream), H2D (weights and host-tier activations coming in) and D2H
-(gradients and activations going out). The only synchronisation is by events, as DESIGN.md §3 names them:
+(gradients and activations going out). The only synchronisation is by events (engine/streaming/engine.py orders
+the step):
 - *param ready*: recorded on H2D after a unit's weights landed in a slot; compute waits on it;
 - *buffer free*: recorded on compute after a slot's last use; the next H2D into that slot waits on it;
 - *compute done*: recorded on compute after a gradient (or a kept activation) is final; the D2H copy waits on it.

@@ -1,4 +1,5 @@
-"""The GPU-streamed update place (DESIGN.md §4): a unit whose optimizer state lives in host RAM, updated on the GPU.
+"""The GPU-streamed update place (engine/placement.py): a unit whose optimizer state lives in host RAM, updated on
+the GPU.
 
 Such a unit's update of step t runs when step t+1's forward loads it, in place of the plain weight load:
 1. on the H2D stream, its master, m and v (and int8 moments' scales) come into one of two GPU staging buffers

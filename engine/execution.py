@@ -1,0 +1,49 @@
+"""What a run will execute, decided in one place: compiled templates or eager, torch.compile's worker pool, the fused
+LM head + cross-entropy, the attention backend and the MLP's token chunk.
+
+The planner prices exactly what the trainer then runs, so both read one `Execution`, resolved once from the config
+and the device kind. `train.compile=auto` and `train.fused_loss=auto` are on with CUDA (on a CPU the Triton loss
+kernel runs only under the interpreter, the tests' business); the compile workers run unless the templates run
+eager or `train.compile_in_process` builds their kernels in the training process; `train.attention=auto` resolves
+as engine/model/attention.py says. A plan for other hardware (`plan=true`) may name a backend that cannot run here:
+it keeps the asked-for name (`strict=False`), where the trainer refuses the run (`strict=True`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import ConfigError
+from engine.model.attention import resolve_attention
+from engine.model.dense import LayerCompute, resolve_mlp_chunk_tokens
+
+
+@dataclass(frozen=True)
+class Execution:
+    on_gpu: bool
+    compiled: bool  # the layer and head templates are torch.compiled
+    compile_workers: bool  # Inductor's pool of compile worker processes is started
+    fused_loss: bool  # the fused Triton LM head + cross-entropy
+    attention: str  # a resolved backend (triton | sdpa | flash_attn), or the asked-for name a plan could not resolve
+    mlp_chunk_tokens: int  # 0: the MLP block over all of a micro-batch's tokens at once
+
+    @classmethod
+    def of(cls, spec, cfg, on_gpu: bool, strict: bool = False) -> "Execution":
+        """`strict`: a backend that cannot run on this device is a ConfigError (else its name is kept)."""
+        t = cfg.train
+        compiled = t.compile == "on" or (t.compile == "auto" and on_gpu)
+        try:
+            attention = resolve_attention(t.attention, "cuda" if on_gpu else "cpu", spec.arch.head_dim,
+                                          spec.sinks_or_window)
+        except ConfigError:
+            if strict:
+                raise
+            attention = t.attention
+        return cls(on_gpu=on_gpu, compiled=compiled, compile_workers=compiled and not t.compile_in_process,
+                   fused_loss=t.fused_loss == "on" or (t.fused_loss == "auto" and on_gpu), attention=attention,
+                   mlp_chunk_tokens=resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, t.micro_batch_size * t.seq_len))
+
+    @property
+    def layer_compute(self) -> LayerCompute:
+        """How the decoder layers compute (engine/model/dense.py)."""
+        return LayerCompute(attention=self.attention, mlp_chunk_tokens=self.mlp_chunk_tokens)

@@ -1,0 +1,101 @@
+"""The contract between the planner and the streaming engine: where each unit's state lives and is updated.
+
+The planner (engine/plan/) decides a `Placement` before anything is allocated; the stream engine
+(engine/streaming/engine.py) builds itself from it and from nothing else of the plan. Both sides read the unit sets
+derived here, so that "which units are GPU-resident, GPU-streamed, host-updated, on disk, which layer inputs are
+kept" has one definition. Units are numbered in forward order: 0 the embedding, 1..L the decoder layers, L + 1 the
+head. This module imports nothing from the rest of the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Literal
+
+Tier = Literal["gpu", "host"]
+TIERS = ("gpu", "host")
+
+
+def kept_layer_inputs(num_layers: int, keep_activation_layers: int, recompute_group: int) -> range:
+    """The 0-based indices of the layer inputs the forward keeps for the backward: of the recomputed layers (all but
+    the last `keep_activation_layers`, whose graphs are kept instead), the first of each recompute group."""
+    return range(0, num_layers - keep_activation_layers, recompute_group)
+
+
+def nvme_layers(n_units: int, first_host_unit: int, n: int) -> List[int]:
+    """The units whose Adam moments `engine.nvme_units=n` puts on disk: the last n host-updated decoder layers (units
+    first_host_unit.. of the embedding, the layers and the head; the head, the largest unit, stays in RAM)."""
+    layers = list(range(max(first_host_unit, 1), n_units - 1))
+    return layers[len(layers) - n:] if n else []
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One streamed run's layout of state and work (the `engine.*` settings of the same names, resolved).
+
+    Units are updated in one of three places, in forward order: the first `gpu_resident_units` keep master and
+    moments in GPU memory; the next `gpu_streamed_units` keep them in host RAM and are updated on the GPU as the
+    next forward loads them; the rest are updated by the host AdamW, the moments of the last `nvme_units` of those
+    layers in a file on disk."""
+
+    n_units: int  # embedding + decoder layers + head
+    slots: int = 2  # the ring of layer slots
+    keep_activation_layers: int = 0  # the last N layers keep their forward graph instead of recomputing it
+    recompute_group: int = 1  # one kept layer input per group of this many recomputed layers
+    activation_tier: Tier = "host"  # where the kept layer inputs live
+    grads_tier: Tier = "host"  # where the gradients wait for the global norm
+    cache_weights: bool = False  # every layer's weights stay on the GPU from forward to backward
+    gpu_resident_units: int = 0
+    gpu_streamed_units: int = 0
+    nvme_units: int = 0
+
+    def __post_init__(self):
+        for name in ("activation_tier", "grads_tier"):
+            if getattr(self, name) not in TIERS:
+                raise ValueError(f"Placement.{name}={getattr(self, name)!r}: one of {', '.join(TIERS)}")
+        if self.gpu_resident_units + self.gpu_streamed_units > self.n_units or min(
+                self.gpu_resident_units, self.gpu_streamed_units, self.nvme_units, self.keep_activation_layers) < 0 \
+                or self.recompute_group < 1 or self.slots < 1:
+            raise ValueError(f"not a placement of {self.n_units} units: {self}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.n_units - 2
+
+    @property
+    def resident_units(self) -> range:
+        return range(0, min(self.n_units, self.gpu_resident_units))
+
+    @property
+    def streamed_units(self) -> range:
+        first = self.resident_units.stop
+        return range(first, min(self.n_units, first + self.gpu_streamed_units))
+
+    @property
+    def host_units(self) -> range:
+        return range(self.streamed_units.stop, self.n_units)
+
+    @property
+    def gpu_updated_units(self) -> range:
+        return range(0, self.streamed_units.stop)
+
+    @property
+    def disk_units(self) -> List[int]:
+        return nvme_layers(self.n_units, self.host_units.start, self.nvme_units)
+
+    @property
+    def kept_layer_inputs(self) -> range:
+        return kept_layer_inputs(self.num_layers, self.keep_activation_layers, self.recompute_group)
+
+    def place_of(self, unit: int) -> str:
+        """"resident", "streamed" or "host": where `unit` is updated."""
+        if unit in self.resident_units:
+            return "resident"
+        return "streamed" if unit in self.streamed_units else "host"
+
+    def as_dict(self) -> Dict[str, object]:
+        """The `engine.*` settings that reproduce this placement (cache_weights as on/off), for logs and records."""
+        out = asdict(self)
+        del out["n_units"]
+        out["cache_weights"] = "on" if self.cache_weights else "off"
+        return out

@@ -1,0 +1,80 @@
+"""`build_plan`: the plan of the configured engine, and what a refusal suggests (smaller state formats, building
+the compiled kernels in this process)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import List, Optional
+
+from engine.execution import Execution
+from engine.formats import StateFormat, all_formats
+from engine.plan.memory import GIB, MemoryPlan, PlanError
+from engine.plan.reference import reference_plan
+from engine.plan.stream import StreamPlanner
+
+
+def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: bool = True,
+               state_ranks: int = 1, execution: Optional[Execution] = None) -> MemoryPlan:
+    """The plan of `cfg.engine` for `spec`, within `gpu_gib` of HBM (when `on_gpu`) and `host_gib` of host RAM.
+    `state_ranks`: the data-parallel ranks the stream engine's host state is sharded over (engine/distributed.py);
+    the host rows are those of the rank holding the most. `execution`: what the run executes (the trainer's, so that
+    both price the same run), resolved from the config when not given. `check`: raise PlanError when it does not
+    fit, with the table and what would fit."""
+    ex = execution or Execution.of(spec, cfg, on_gpu)
+    fmt = StateFormat.of(cfg.train)
+    plan = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
+    if plan.problem():
+        plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
+        plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, ex, state_ranks))
+    if check and plan.problem():
+        raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
+    return plan
+
+
+def _engine_plan(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, fmt: StateFormat,
+                 state_ranks: int) -> MemoryPlan:
+    """The unchecked plan of `cfg.engine` in the state format `fmt`."""
+    if cfg.engine.name == "reference":
+        return reference_plan(spec, cfg, gpu_gib, host_gib, ex, fmt)
+    return StreamPlanner(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks).plan()
+
+
+def in_process_compile_fits(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution,
+                            state_ranks: int) -> List[str]:
+    """For a refusal of a run that would start Inductor's compile workers: a note when the plan fits without them
+    (`train.compile_in_process=true`), else nothing."""
+    if not ex.compile_workers or not cfg.hardware.host_compile_workers_gib:
+        return []
+    try:
+        plan = _engine_plan(spec, cfg, gpu_gib, host_gib, replace(ex, compile_workers=False),
+                            StateFormat.of(cfg.train), state_ranks)
+    except PlanError:
+        return []
+    if plan.problem():
+        return []
+    return [f"With train.compile_in_process=true (the compiled kernels built in this process, no worker pool: "
+            f"{cfg.hardware.host_compile_workers_gib:.1f} GiB less host) it fits: host {plan.total('host') / GIB:.1f} "
+            f"GiB, GPU {plan.total('gpu') / GIB:.1f} GiB."]
+
+
+def formats_that_fit(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, current: StateFormat,
+                     state_ranks: int, limit: int = 3) -> List[str]:
+    """For a refusal: up to `limit` smaller state formats with which the streaming engine's plan fits (the most
+    precise first), each with its host and GPU totals; the rest of the config is kept, the sharding too."""
+    found = []
+    for fmt in all_formats(current.block_size):
+        if fmt.bytes_per_param() >= current.bytes_per_param():
+            continue
+        try:
+            plan = StreamPlanner(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks).plan()
+        except PlanError:  # the config fixes a placement this format cannot take
+            continue
+        if not plan.problem():
+            engine = "engine=stream " if cfg.engine.name != "stream" else ""
+            g = plan.placement.recompute_group
+            groups = f" engine.recompute_group={g}" if g > 1 else ""
+            found.append(f"model={cfg.model.name}: fits with {engine}{fmt.overrides()}{groups}: "
+                         f"host {plan.total('host') / GIB:.1f} GiB, GPU {plan.total('gpu') / GIB:.1f} GiB")
+            if len(found) == limit:
+                break
+    return found

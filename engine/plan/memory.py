@@ -1,0 +1,103 @@
+"""The plan's result: rows of bytes per memory tier, the limits they are held against, the placement and the
+predicted step; and the host memory of the training process itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from engine.placement import Placement
+
+GIB = 2**30
+
+
+class PlanError(RuntimeError):
+    pass
+
+
+@dataclass
+class MemoryPlan:
+    engine: str
+    rows: List[Tuple[str, str, int]] = field(default_factory=list)  # (tier, item, bytes)
+    placement: Optional[Placement] = None  # the stream engine's; None for engine=reference
+    limits_gib: Dict[str, float] = field(default_factory=dict)
+    times_s: Dict[str, float] = field(default_factory=dict)
+    binding: str = ""
+    speeds: str = ""  # where the time model's figures come from
+    suggestions: List[str] = field(default_factory=list)  # smaller state formats that fit, for a refusal
+    notes: List[str] = field(default_factory=list)  # for a refusal: what else was tried
+
+    reserved: Dict[str, int] = field(default_factory=dict)  # bytes per tier held back, not allocated as tensors
+
+    def add(self, tier: str, item: str, nbytes: int) -> None:
+        self.rows.append((tier, item, int(nbytes)))
+
+    def reserve(self, tier: str, item: str, nbytes: int) -> None:
+        """A row the budget must leave free (allocator fragmentation, the CUDA context) but that no tensor fills:
+        it counts in `total`, not in `allocated`."""
+        self.add(tier, item, nbytes)
+        self.reserved[tier] = self.reserved.get(tier, 0) + int(nbytes)
+
+    def placement_settings(self) -> Dict[str, object]:
+        """The placement as `engine.*` settings (empty for engine=reference), for logs and records."""
+        return self.placement.as_dict() if self.placement else {}
+
+    def total(self, tier: str) -> int:
+        return sum(b for t, _, b in self.rows if t == tier)
+
+    def allocated(self, tier: str) -> int:
+        """The predicted peak of tensor memory in `tier` (what `torch.cuda.max_memory_allocated` measures)."""
+        return self.total(tier) - self.reserved.get(tier, 0)
+
+    def overflow_bytes(self) -> int:
+        """Bytes beyond the limits, summed over the tiers."""
+        return sum(max(0, self.total(tier) - int(limit * GIB)) for tier, limit in self.limits_gib.items() if limit)
+
+    def problem(self) -> str:
+        """Why the plan does not fit (every tier that overflows), or "" when it does."""
+        over = [f"{self.total(tier) / GIB:.1f} GiB of {tier} memory where the hardware config allows {limit:.1f} GiB"
+                for tier, limit in self.limits_gib.items() if limit and self.total(tier) > limit * GIB]
+        if not over:
+            return ""
+        alternatives = "a smaller model or other hardware"
+        if self.engine == "reference":
+            alternatives += ", or engine=stream (state in host RAM)"
+        text = (f"The plan needs {' and '.join(over)}. {''.join(note + ' ' for note in self.notes)}Try fewer "
+                f"tokens per step (train.micro_batch_size, train.grad_accum, train.seq_len), {alternatives}.")
+        if self.suggestions:
+            text += " Smaller training-state formats that fit (engine/formats.py):\n" + "\n".join(self.suggestions)
+        return text
+
+    def table(self) -> str:
+        lines = [f"memory plan (engine={self.engine})", f"{'tier':6} {'item':66} {'GiB':>10}"]
+        for tier, item, nbytes in self.rows:
+            lines.append(f"{tier:6} {item:66} {nbytes / GIB:10.3f}")
+        for tier in ("gpu", "host", "nvme"):
+            if tier == "nvme" and not self.total(tier):
+                continue
+            limit = self.limits_gib.get(tier)
+            lim = f" of {limit:.1f} GiB" if limit else ""
+            lines.append(f"{tier:6} {'TOTAL':66} {self.total(tier) / GIB:10.3f}{lim}")
+        if self.placement:
+            lines.append("placement: " + ", ".join(f"{k}={v}" for k, v in self.placement_settings().items()))
+        if self.times_s:
+            lines.append("predicted step: " + ", ".join(f"{k} {v:.3f}s" for k, v in self.times_s.items())
+                         + f"; bound by {self.binding}")
+            lines.append(self.speeds)
+        return "\n".join(lines)
+
+
+def process_host_bytes(hw, compile_workers: bool) -> int:
+    """The training process's host memory before any state: the calibrated figure, without torch.compile's worker
+    processes when the run starts none (no compiled templates, or `train.compile_in_process`; on an H100 host they
+    are 7.3-7.7 of its 9-10 GiB)."""
+    return int(max(0.0, hw.host_process_gib - (0.0 if compile_workers else hw.host_compile_workers_gib)) * GIB)
+
+
+def add_process_row(plan: MemoryPlan, hw, compile_workers: bool) -> int:
+    """The host row of the process itself (none when the profile has no figure); returns its bytes."""
+    nbytes = process_host_bytes(hw, compile_workers)
+    if nbytes:
+        workers = "" if compile_workers else ", no compile workers"
+        plan.add("host", f"this process: torch, CUDA context, compiled kernels (calibrated{workers})", nbytes)
+    return nbytes

@@ -1,0 +1,86 @@
+"""The shape of one step: token counts, unit sizes, FLOPs and the working sets, as the memory rows and the time
+model both read them."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from engine.execution import Execution
+from engine.formats import StateFormat
+from engine.metrics import model_flops_per_token
+from engine.model.dense import mlp_chunked
+from engine.plan.activations import layer_graph_bytes, layer_working_bytes, loss_activation_bytes
+from engine.streaming.streamed_update import N_STAGES
+
+
+class StepShape:
+    """The numbers both the memory and the time model need, for one run's model, config, state format and
+    execution (`execution`: resolved from the config for `on_gpu` when not given)."""
+
+    def __init__(self, spec, cfg, on_gpu: bool, fmt: StateFormat, state_ranks: int = 1,
+                 execution: Optional[Execution] = None):
+        t = cfg.train
+        ex = execution or Execution.of(spec, cfg, on_gpu)
+        self.spec = spec
+        self.fmt = fmt
+        self.state_ranks = state_ranks  # data-parallel ranks the host state is sharded over (engine/distributed.py)
+        self.grad_transfer = t.grad_transfer_dtype  # the dtype host-updated units' gradients cross the link in
+        self.compute_bytes = 2 if on_gpu and t.compute_dtype != "fp32" else 4
+        self.mb_tokens = t.micro_batch_size * t.seq_len
+        self.step_tokens = self.mb_tokens * t.grad_accum
+        self.h, self.L = spec.arch.hidden, spec.num_layers
+        self.layouts = [u.layout for u in spec.units]
+        self.layer_numel = max(lay.numel for lay in self.layouts[1:-1])
+        self.layer_cast = max(lay.cast_numel for lay in self.layouts[1:-1])
+        fused = ex.fused_loss
+        self.compiled, self.compile_workers = ex.compiled, ex.compile_workers
+        self.mlp_chunk_tokens, self.attention = ex.mlp_chunk_tokens, ex.attention
+        # a layer's working set and the head's are live in different phases of the step: the larger one counts
+        self.act = max(layer_working_bytes(spec, self.mb_tokens, self.compute_bytes, self.compiled,
+                                           self.mlp_chunk_tokens, self.attention),
+                       loss_activation_bytes(spec, self.mb_tokens, self.compute_bytes, fused))
+        flops = model_flops_per_token(cfg.model, t.seq_len)
+        self.layer_fwd_flops = flops["layer_forward_flops_per_token"] * self.step_tokens
+        self.layer_attn_fwd_flops = flops["layer_attention_forward_flops_per_token"] * self.step_tokens
+        # a chunked MLP checkpoints each chunk: a layer's backward runs its MLP forward once more
+        chunked = mlp_chunked(self.mlp_chunk_tokens, self.mb_tokens)
+        self.mlp_recompute_flops = flops["layer_mlp_forward_flops_per_token"] * self.step_tokens if chunked else 0
+        # the streaming engine's recompute leaves out what no gradient reads (ModelSpec.layer_grads)
+        self.recompute_skipped_flops = spec.recompute_skipped_flops_per_token(chunked) * self.step_tokens
+        # the head: forward + backward (2x); the chunked torch chain also recomputes the logits in its backward
+        self.head_flops = (3 if fused else 4) * flops["head_forward_flops_per_token"] * self.step_tokens
+
+    @property
+    def kept_graph_bytes(self) -> int:
+        """What one layer's kept autograd graph holds for all micro-batches (the tensors the recompute would
+        rebuild), plus the layer's own slot."""
+        per_micro_batch = layer_graph_bytes(self.spec, self.mb_tokens, self.compute_bytes, self.compiled,
+                                            self.mlp_chunk_tokens)
+        return per_micro_batch * (self.step_tokens // self.mb_tokens) + self.slot_bytes(self.layouts[1])
+
+    def slot_bytes(self, lay) -> int:
+        return self.compute_bytes * lay.cast_numel + 4 * (lay.numel - lay.cast_numel)
+
+    def own_slot_bytes(self, n_res: int) -> int:
+        """The slots of their own that the GPU-resident layers take when weights are not cached."""
+        return sum(self.slot_bytes(self.layouts[u]) for u in range(1, min(n_res, self.L + 1)))
+
+    def own_accumulator_bytes(self, n_gpu_updated: int) -> int:
+        """The gradients of their own that the GPU-updated layers hold on the GPU when gradients go to the host (fp32:
+        the accumulator itself; bf16: the rounded copy, the accumulator being one of the shared ones, and the
+        embedding's and head's rounded copies too)."""
+        held = list(range(1, min(n_gpu_updated, self.L + 1)))
+        if self.fmt.grad != "fp32":
+            held += [u for u in (0, self.L + 1) if u < n_gpu_updated]
+        return self.fmt.grad_bytes(sum(self.layouts[u].numel for u in held))
+
+    def transfer_bytes(self, numel: int) -> int:
+        """A host-updated unit's gradient over D2H and in host memory: fp32, or bf16 with bf16 transfer."""
+        return (2 if self.grad_transfer == "bf16" else 4) * numel
+
+    def staging_bytes(self, n_res: int, n_str: int) -> int:
+        """The GPU staging buffers of the streamed units' state (engine/streaming/streamed_update.py)."""
+        if not n_str:
+            return 0
+        return min(N_STAGES, n_str) * self.fmt.state_bytes(max(lay.numel for lay in self.layouts[n_res:n_res + n_str]))
+

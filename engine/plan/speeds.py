@@ -1,0 +1,103 @@
+"""The calibrated speeds the time model runs on: the hardware profile's figures for the mode the run executes in
+(compiled or eager), at the run's layer width."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Tuple
+
+if TYPE_CHECKING:
+    from engine.plan.shape import StepShape
+
+
+class Speeds:
+    """The profile's calibrated figures (`python -m engine.calibrate`) for the mode the run executes in: compiled
+    templates or eager. `known` is false when the profile has none for that mode (no time prediction, no split search).
+
+    A layer's time is its attention FLOPs at the attention rates plus its other FLOPs at the layer rates when the
+    profile has attention figures; without them the layer rates time all of it, which is right only near the
+    calibration's length (qwen7b's attention is 5% of its FLOPs at 4K tokens per sequence, a third at 32K, 88% at
+    512K; one rate fitted at 4K made the 32K step 17% short on an H200). `attention`: the run's backend, named in
+    `describe` when it is not the one the attention figures were measured with. `moe`: the model's layers are MoE
+    layers, timed with the profile's MoE figures where it has them."""
+
+    def __init__(self, hw, compiled: bool, attention: str = "", moe: bool = False, hidden: int = 0):
+        mode = "compiled" if compiled else "eager"
+        self.mode = mode
+        rates, self.width_note = width_rates(hw, mode, hidden)
+        self.fwd, self.bwd, self.head = (r * 1e12 for r in rates)
+        # a MoE model's layers at the figures of a measured MoE layer where the profile has them
+        self.moe, self.moe_calibrated = moe, moe and hw[f"moe_fwd_tflops_{mode}"] > 0
+        if self.moe_calibrated:
+            self.fwd, self.bwd = (hw[f"moe_{k}_tflops_{mode}"] * 1e12 for k in ("fwd", "bwd"))
+        self.attn_calibrated = min(hw.attn_fwd_tflops, hw.attn_bwd_tflops) > 0
+        # without attention figures the layer rates time the attention too
+        self.attn_fwd, self.attn_bwd = (hw.attn_fwd_tflops * 1e12, hw.attn_bwd_tflops * 1e12) \
+            if self.attn_calibrated else (self.fwd, self.bwd)
+        self.attention = attention
+        self.h2d, self.d2h, self.bidir = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9, hw.bidir_gbps * 1e9
+        # the link's rate while the host AdamW runs, as a fraction of its rate alone (page-locked DMA and the
+        # optimizer share host memory bandwidth); 1 where the profile has no such figure
+        self.link_under_adam = min(1.0, hw.bidir_gbps_under_adam / hw.bidir_gbps) \
+            if hw.bidir_gbps_under_adam > 0 and hw.bidir_gbps > 0 else 1.0
+        # the host AdamW always runs while the forward streams, so its rate under PCIe load is the one used
+        self.adam_pcie = hw.cpu_adam_gparams_per_s_under_pcie * 1e9
+        self.nvme = hw.nvme_gbps * 1e9  # 0: unknown, the tier's I/O is not timed
+        self.known = min(self.fwd, self.bwd, self.head) > 0
+
+    def layer_fwd_s(self, s: "StepShape", forwards: int = 1) -> float:
+        """Seconds of `forwards` forwards of one layer over the step's tokens, run without autograd."""
+        other = s.layer_fwd_flops - s.layer_attn_fwd_flops
+        return forwards * (other / self.fwd + s.layer_attn_fwd_flops / self.attn_fwd)
+
+    def layer_bwd_s(self, s: "StepShape", forwards: int, skipped_flops: float = 0.0) -> float:
+        """Seconds of one layer's backward work worth `forwards` forwards of FLOPs (3: a forward with autograd, then
+        the backward's two; 2 for a kept graph) less `skipped_flops` of its recompute, at the backward rates, plus a
+        chunked MLP's recompute of its checkpointed chunks (one MLP forward, at the forward rate)."""
+        other = forwards * (s.layer_fwd_flops - s.layer_attn_fwd_flops) - skipped_flops
+        return other / self.bwd + forwards * s.layer_attn_fwd_flops / self.attn_bwd + s.mlp_recompute_flops / self.fwd
+
+    def describe(self, hw) -> str:
+        line = f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"
+        if self.width_note:
+            line += f"; {self.width_note}"
+        if not self.attn_calibrated:
+            line += "; attention timed at the layer's rate (no attention figures)"
+        else:
+            line += f"; attention at its own rates ({hw.attn_backend}, measured at {hw.attn_seq_len} tokens)"
+            if self.attention and self.attention != hw.attn_backend:
+                line += f", but this run's attention is {self.attention}"
+        if self.moe_calibrated:
+            line += f"; MoE layers at the figures of a {hw.moe_model} layer"
+        elif self.moe:  # the grouped expert matmuls and their gather / scatter run well below a dense layer's rate
+            line += ("; MoE layers are timed at a dense layer's figures (the profile has no MoE figures: "
+                     "python -m engine.calibrate --moe-model): expect a longer step, the backward most")
+        return line
+
+
+def width_rates(hw, mode: str, hidden: int) -> Tuple[Tuple[float, float, float], str]:
+    """((fwd, bwd, head) TFLOPS, how they were found) for layers `hidden` wide in `mode`. The profile's main figures
+    (measured at `layer_hidden`) and those of `layer_widths` are points on a hidden-size axis: a width between two
+    of them gets rates interpolated linearly in log(hidden), one outside them the nearest point's. The note is ""
+    when the main figures serve as they are (no other width in the profile, or the run's width unknown)."""
+    keys = tuple(f"{k}_tflops_{mode}" for k in ("fwd", "bwd", "head"))
+    main = tuple(float(hw[k]) for k in keys)
+    points = [(w.hidden, w.model, tuple(float(w[k]) for k in keys)) for w in hw.layer_widths if w[keys[0]] > 0]
+    if hidden < 1 or not points or hw.layer_hidden < 1 or main[0] <= 0:
+        return main, ""
+    points = sorted(points + [(hw.layer_hidden, hw.layer_model, main)])
+    named = ", ".join(f"{h} ({m})" for h, m, _ in points)
+    below = [p for p in points if p[0] <= hidden]
+    above = [p for p in points if p[0] >= hidden]
+    if not below or not above:
+        h, m, rates = above[0] if above else below[-1]
+        return rates, (f"layers at the figures of the nearest calibrated width, {h} ({m}); this model's {hidden} is "
+                       f"outside the calibrated widths {named}")
+    (h0, m0, r0), (h1, m1, r1) = below[-1], above[0]
+    if h0 == h1:
+        return r0, f"layers at the figures of calibrated width {h0} ({m0})"
+    t = math.log(hidden / h0) / math.log(h1 / h0)
+    rates = tuple(a + t * (b - a) for a, b in zip(r0, r1))
+    return rates, (f"layers at rates interpolated for width {hidden} between calibrated widths {h0} ({m0}) and "
+                   f"{h1} ({m1})")
+

@@ -1,0 +1,392 @@
+"""The plan of `engine=stream`: the placement search and the memory rows of a placement (the package docstring has
+the rules: what HBM is spent on, in which order, and how recompute groups and the NVMe tier enter)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Dict, List, Optional, Tuple
+
+from engine.distributed import state_owners
+from engine.execution import Execution
+from engine.formats import StateFormat
+from engine.placement import Placement, kept_layer_inputs, nvme_layers
+from engine.plan.memory import GIB, MemoryPlan, PlanError, add_process_row, process_host_bytes
+from engine.plan.shape import StepShape
+from engine.plan.speeds import Speeds
+from engine.plan.time_model import predict_stream
+from engine.streaming.host_store import init_copies
+from engine.streaming.nvme import STAGING_BUFFERS
+from engine.streaming.nvme import file_bytes as nvme_file_bytes
+from engine.streaming.slots import STAGING_ELEMS
+
+Candidate = Tuple[Placement, float]  # a placement that fits HBM, and the GPU bytes it leaves free
+
+
+def _take(extra_gpu_bytes: float, forced: str, free: float) -> Tuple[bool, float]:
+    """Whether an optional GPU placement is made (`forced`: gpu | host | auto, auto when the bytes are free), and
+    the free bytes after it."""
+    on = forced == "gpu" or (forced == "auto" and extra_gpu_bytes <= free)
+    return on, free - extra_gpu_bytes if on else free
+
+
+def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
+                nbytes: Dict[str, float]) -> Tuple[List[Candidate], Placement]:
+    """(every split that fits with `n_kept` kept graphs and recompute groups of `g`, the forced placement of the
+    first split). HBM left after the fixed working set is spent in the package docstring's order."""
+    host_free = nbytes["host_free"]
+    acts_on_gpu, free = _take(nbytes["activation"], e.activation_tier, nbytes["free"])
+    if not acts_on_gpu:
+        host_free -= nbytes["activation"]
+    # the host cannot hold them (or the config says gpu): they outrank everything below
+    grads_first = nbytes["grad"] > host_free or e.grads_tier == "gpu"
+    grads_on_gpu = False
+    if grads_first:
+        grads_on_gpu, free = _take(nbytes["grad"] - nbytes["side_grad"], e.grads_tier, free)
+    base = Placement(n_units=len(s.layouts), slots=min(e.slots, s.L), keep_activation_layers=n_kept,
+                     recompute_group=g, activation_tier="gpu" if acts_on_gpu else "host",
+                     grads_tier="gpu" if grads_on_gpu else "host", cache_weights=e.cache_weights == "on")
+
+    def complete(n_res: int, n_str: int, force: bool = False) -> Optional[Candidate]:
+        """The placement with this split and the rest of HBM spent (weights cached, gradients), or None when the
+        split does not fit (unless `force`: the config fixed it, or nothing fits and the plan will say so)."""
+        left = free - _split_bytes(s, n_res, n_str, grads_on_gpu, base.cache_weights)
+        if left < 0 and not force:
+            return None
+        cached = base.cache_weights
+        if not cached:
+            cached, left = _take(nbytes["cache"] - nbytes["ring"] - s.own_slot_bytes(n_res),
+                                 "host" if e.cache_weights == "off" else "auto", left)
+        grads_tier = base.grads_tier
+        if not grads_first:
+            on, left = _take(nbytes["grad"] - nbytes["side_grad"] - s.own_accumulator_bytes(n_res + n_str),
+                             e.grads_tier, left)
+            grads_tier = "gpu" if on else "host"
+        return replace(base, cache_weights=cached, grads_tier=grads_tier, gpu_resident_units=n_res,
+                       gpu_streamed_units=n_str), left
+
+    found = [c for c in (complete(*split, force=fixed_split) for split in splits) if c is not None]
+    return found, complete(*splits[0], force=True)[0]
+
+
+def _split_bytes(s: StepShape, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:
+    """GPU bytes the update places take beyond the fixed working set: resident state (+ the resident layers' own
+    slots and accumulators), streamed staging (+ the streamed layers' accumulators)."""
+    nbytes = sum(s.fmt.state_bytes(lay.numel) for lay in s.layouts[:n_res]) + s.staging_bytes(n_res, n_str)
+    if not grads_on_gpu:
+        nbytes += s.own_accumulator_bytes(n_res + n_str)
+    if not cached:
+        nbytes += s.own_slot_bytes(n_res)
+    return nbytes
+
+
+def choose_split(s: StepShape, sp: Speeds, candidates: List[Candidate]) -> Optional[Candidate]:
+    """The fastest predicted of the candidates. Among those within 1% of the fastest, the one with the most slack:
+    the least busy of its forward's non-compute resources (host AdamW, H2D, D2H) relative to the forward's compute,
+    so that an error in a calibrated rate costs the least."""
+    if not candidates or not sp.known:
+        return candidates[0] if candidates else None
+    scored = []
+    for placement, free in candidates:
+        times, _ = predict_stream(s, sp, placement)
+        load = max(times["host_adamw"], times["forward_h2d"], times["forward_d2h"]) / times["forward_compute"]
+        scored.append((times["step"], load, -free, placement, free))
+    best = min(c[0] for c in scored)
+    chosen = min((c for c in scored if c[0] <= 1.01 * best), key=lambda c: (c[1], c[2]))
+    return chosen[3], chosen[4]
+
+
+class StreamPlanner:
+    """One streamed run's plan: the figures every placement shares are computed once here; `plan()` searches the
+    placements (or, on a CPU, takes the configured one) and returns the chosen one's rows and predicted step."""
+
+    def __init__(self, spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, fmt: StateFormat,
+                 state_ranks: int = 1):
+        self.spec, self.e, self.hw, self.fmt = spec, cfg.engine, cfg.hardware, fmt
+        self.gpu_gib, self.host_gib, self.on_gpu, self.state_ranks = gpu_gib, host_gib, ex.on_gpu, state_ranks
+        s = self.s = StepShape(spec, cfg, ex.on_gpu, fmt, state_ranks, execution=ex)
+        self.sp = Speeds(self.hw, ex.compiled, s.attention, spec.moe, spec.arch.hidden)
+        layouts, L = self.layouts, self.L = s.layouts, s.L
+        self.n_units = len(layouts)
+        self.compute_tier = "gpu" if ex.on_gpu else "host"
+        self.ring_bytes = min(self.e.slots, L) * (s.compute_bytes * s.layer_cast + 4 * (s.layer_numel - s.layer_cast))
+        self.side_grad_bytes = 4 * (layouts[0].numel + layouts[-1].numel + min(2, L) * s.layer_numel)
+        # held gradients of every unit on the GPU: fp32 ones are the accumulators themselves; bf16 ones are rounded
+        # copies, the shared accumulators (side_grad_bytes) staying as the working set
+        self.grad_bytes = fmt.grad_bytes(sum(lay.numel for lay in layouts)) + (
+            0 if fmt.grad == "fp32" else self.side_grad_bytes)
+        self.cache_bytes = sum(s.slot_bytes(lay) for lay in layouts[1:-1])
+        self.margin_gib = 2.0 + 0.05 * gpu_gib if ex.on_gpu else 0.0
+        self.state_bytes = [fmt.state_bytes(lay.numel) for lay in layouts]  # master + m + v in their formats
+        self.moment_bytes = [fmt.state_bytes(lay.numel) - fmt.master_bytes(lay.numel) for lay in layouts]
+        self.state_name = f"{fmt.master} master, {fmt.moments} Adam m + v"
+        self.nvme_on = bool(self.hw.nvme_dir) and self.hw.nvme_gib > 0 and fmt.exact
+        # the most host memory the NVMe tier could take over: every unit's moments, within its disk budget
+        self.nvme_room = min(self.hw.nvme_gib * GIB, sum(self.moment_bytes)) if self.nvme_on else 0
+        # the host AdamW updates fp32 state only: a low-precision format puts every unit on the GPU for its update
+        self.gpu_updated_only = not fmt.exact
+        self._check_fixed_split()
+
+    # ---- the rows of one placement ------------------------------------------------------------------------------
+    def fixed_rows(self, n_kept: int) -> List[Tuple[str, int]]:
+        s = self.s
+        return [
+            ("H2D staging buffer (fp32)", 4 * min(STAGING_ELEMS, max(lay.cast_numel for lay in self.layouts))),
+            ("embedding + head slots", s.slot_bytes(self.layouts[0]) + s.slot_bytes(self.layouts[-1])),
+            ("residual stream + its gradient, all micro-batches", 2 * 4 * s.h * s.step_tokens),
+            ("working activations (one layer, or the loss chunk)", s.act),
+            (f"autograd graphs of the last {n_kept} layers (no recompute)", n_kept * s.kept_graph_bytes),
+        ]
+
+    def activation_bytes(self, n_kept: int, g: int) -> int:
+        """The kept inputs of the recomputed layers (kept layers' inputs live in their graphs)."""
+        return len(kept_layer_inputs(self.L, n_kept, g)) * 4 * self.s.h * self.s.step_tokens
+
+    def regenerated_bytes(self, n_kept: int, g: int) -> int:
+        """One recompute group's regenerated inputs, held on the GPU during its backward."""
+        return min(g, self.L - n_kept) * 4 * self.s.h * self.s.step_tokens if g > 1 else 0
+
+    def held_units(self, n_res: int) -> set:
+        """The host-state units of the rank that holds the most of them (all of them on one rank)."""
+        if self.state_ranks <= 1:
+            return set(range(n_res, self.n_units))
+        owner = state_owners(self.spec, n_res, self.state_ranks)
+        per_rank = [{u for u, r in owner.items() if r == rank} for rank in range(self.state_ranks)]
+        return max(per_rank, key=lambda units: sum(self.state_bytes[u] for u in units))
+
+    def rows_for(self, placement: Placement) -> MemoryPlan:
+        """The memory plan of one placement: every row, both tiers."""
+        plan = MemoryPlan(engine="stream", limits_gib={
+            "gpu": self.gpu_gib if self.on_gpu else 0.0, "host": self.host_gib,
+            "nvme": self.hw.nvme_gib if self.hw.nvme_dir else 0.0})
+        plan.placement = placement
+        held = self.held_units(placement.gpu_resident_units)
+        self._state_rows(plan, placement, held)
+        for item, nbytes in self.fixed_rows(placement.keep_activation_layers):
+            plan.add(self.compute_tier, item, nbytes)
+        self._update_place_rows(plan, placement)
+        self._gradient_rows(plan, placement, held)
+        if placement.cache_weights:
+            plan.add(self.compute_tier, "layer slots: one per layer (weights cached fwd -> bwd)", self.cache_bytes)
+        else:
+            plan.add(self.compute_tier, f"layer slots: ring of {min(self.e.slots, self.L)} (+ one per GPU-resident "
+                     "layer)", self.ring_bytes + self.s.own_slot_bytes(placement.gpu_resident_units))
+        if self.on_gpu:
+            plan.reserve("gpu", "allocator margin + CUDA context (reserved, not allocated)", int(self.margin_gib * GIB))
+        process_bytes = add_process_row(plan, self.hw, self.s.compile_workers)
+        self._startup_row(plan, held, process_bytes)
+        return plan
+
+    def _state_rows(self, plan: MemoryPlan, placement: Placement, held: set) -> None:
+        """The host-held state (master + moments, less what the NVMe tier holds) and the tier's own rows."""
+        n_str = placement.gpu_streamed_units
+        disk = [u for u in placement.disk_units if u in held]
+        shard = f", this rank's {len(held)} of them" if self.state_ranks > 1 else ""
+        plan.add("host", f"{self.state_name}: {n_str} GPU-streamed + {len(placement.host_units)} host-updated "
+                 f"units{shard}" + (f" ({len(disk)} of them master only)" if disk else ""),
+                 sum(self.state_bytes[u] for u in held) - sum(self.moment_bytes[u] for u in disk))
+        if disk:
+            plan.add("nvme", f"Adam m + v of the last {len(disk)} host-updated layers (a file in hardware.nvme_dir)",
+                     nvme_file_bytes([self.layouts[u].numel for u in disk]))
+            plan.add("host", f"NVMe tier staging ({STAGING_BUFFERS} x the largest such unit's m + v)",
+                     STAGING_BUFFERS * nvme_file_bytes([max(self.layouts[u].numel for u in disk)]))
+
+    def _update_place_rows(self, plan: MemoryPlan, placement: Placement) -> None:
+        """GPU-resident state, the streamed updates' staging, the kept layer inputs and a regenerated group."""
+        n_res, n_str = placement.gpu_resident_units, placement.gpu_streamed_units
+        n_kept, g = placement.keep_activation_layers, placement.recompute_group
+        if n_res:
+            plan.add(self.compute_tier, f"{self.state_name}: {n_res} leading units resident, updated on the GPU",
+                     sum(self.state_bytes[:n_res]))
+        if n_str:
+            plan.add(self.compute_tier, f"staging for GPU-streamed updates (state of the largest of {n_str} units, "
+                     "x2)", self.s.staging_bytes(n_res, n_str))
+        plan.add(self.compute_tier if placement.activation_tier == "gpu" else "host",
+                 "layer-input activations (all micro-batches)", self.activation_bytes(n_kept, g))
+        if g > 1:
+            plan.add(self.compute_tier, f"regenerated layer inputs (one group of {g}, all micro-batches)",
+                     self.regenerated_bytes(n_kept, g))
+
+    def _gradient_rows(self, plan: MemoryPlan, placement: Placement, held: set) -> None:
+        """Where the gradients wait for the global norm, and the bf16 transfer's copies."""
+        s, fmt, layouts, tier = self.s, self.fmt, self.layouts, self.compute_tier
+        n_gpu = placement.gpu_resident_units + placement.gpu_streamed_units
+        n_host = len(placement.host_units)
+        largest_host = max([layouts[u].numel for u in placement.host_units], default=0)
+        grads_on_gpu = placement.grads_tier == "gpu"
+        if grads_on_gpu:
+            plan.add(tier, f"{fmt.grad} gradients of every unit until the norm is known", self.grad_bytes)
+            if n_host:
+                plan.add("host", f"pinned gradient staging ({s.grad_transfer}, 2 x largest host-updated unit)",
+                         2 * s.transfer_bytes(largest_host))
+        else:
+            plan.add("host", f"{s.grad_transfer} gradients of host-updated units until the global norm is known",
+                     s.transfer_bytes(sum(layouts[u].numel for u in held if u >= n_gpu)))
+            plan.add(tier, f"accumulators: embedding, head, 2 layers (fp32); GPU-updated layers ({fmt.grad})",
+                     self.side_grad_bytes + s.own_accumulator_bytes(n_gpu))
+        if n_host and s.grad_transfer == "bf16":
+            # the bf16 copies the D2H reads: of the accumulators that serve host-updated units (the head, the
+            # embedding when it is host-updated, the shared pair of layers when a layer is), or the fetch's pair
+            wired = 2 * largest_host if grads_on_gpu else (
+                layouts[-1].numel + (layouts[0].numel if n_gpu == 0 else 0)
+                + (min(2, self.L) * s.layer_numel if n_gpu <= self.L else 0))
+            plan.add(tier, "bf16 copies of host-updated units' gradients for the D2H (stochastic rounding)",
+                     2 * wired)
+            plan.add("host", "fp32 scratch the host AdamW upcasts each bf16 gradient into (largest host-updated unit)",
+                     4 * largest_host)
+
+    def _startup_row(self, plan: MemoryPlan, held: set, process_bytes: int) -> None:
+        """Start-up: the host masters are written while the other host buffers are not yet touched, but with a
+        low-precision master each unit being initialised also holds an fp32 copy (HostStore); the plan's host
+        figure is the larger of the two."""
+        fmt = self.fmt
+        held_numels = [self.layouts[u].numel for u in held]
+        copies = init_copies(fmt.master, held_numels)
+        startup = (sum(fmt.master_bytes(n) for n in held_numels) + copies * 4 * max(held_numels, default=0)
+                   + process_bytes)
+        if startup > plan.total("host"):
+            plan.add("host", f"start-up peak above the rest: fp32 copies of the {copies} units initialised at once "
+                     f"({fmt.master} master)", startup - plan.total("host"))
+
+    # ---- choosing the placement ---------------------------------------------------------------------------------
+    def _check_fixed_split(self) -> None:
+        e, n_units = self.e, self.n_units
+        if self.gpu_updated_only and e.gpu_resident_units >= 0 and e.gpu_streamed_units >= 0 \
+                and e.gpu_resident_units + e.gpu_streamed_units < n_units:
+            raise PlanError(f"{self.fmt.overrides()} is updated on the GPU only (the host AdamW runs fp32 state), "
+                            f"but engine.gpu_resident_units={e.gpu_resident_units} + engine.gpu_streamed_units="
+                            f"{e.gpu_streamed_units} leave {n_units - e.gpu_resident_units - e.gpu_streamed_units} "
+                            f"of the {n_units} units (embedding, {self.L} layers, head) to it; make them add up to "
+                            f"{n_units}, or leave one of them at -1 (auto)")
+
+    def streamed_default(self, n_res: int) -> int:
+        e = self.e
+        return e.gpu_streamed_units if e.gpu_streamed_units >= 0 else (
+            self.n_units - n_res if self.gpu_updated_only else 0)
+
+    def with_nvme(self, placement: Placement) -> Placement:
+        """`placement` with its `nvme_units`: the configured count, or (-1) the fewest host-updated units, last
+        first, whose moments on disk make the host fit, within hardware.nvme_gib."""
+        if self.e.nvme_units >= 0 or not self.nvme_on:
+            return replace(placement, nvme_units=max(0, self.e.nvme_units))
+        host_layers = len(nvme_layers(self.n_units, placement.host_units.start, self.n_units))
+        best = replace(placement, nvme_units=0)
+        best_host = self.rows_for(best).total("host")
+        for n in range(1, host_layers + 1):  # the staging buffers cost host memory too: keep the n that saves most
+            if best_host <= self.host_gib * GIB:
+                break
+            if nvme_file_bytes([self.layouts[u].numel for u in range(self.L + 1 - n, self.L + 1)]) \
+                    > self.hw.nvme_gib * GIB:
+                break
+            candidate = replace(placement, nvme_units=n)
+            host = self.rows_for(candidate).total("host")
+            if host < best_host:
+                best, best_host = candidate, host
+        return best
+
+    def cpu_placement(self) -> Placement:
+        """One memory: explicit choices are honoured so that CPU runs exercise every code path."""
+        e = self.e
+        # a low-precision format with nothing fixed: every unit resident
+        n_res = self.n_units if self.gpu_updated_only and e.gpu_resident_units < 0 and e.gpu_streamed_units < 0 \
+            else min(max(0, e.gpu_resident_units), self.n_units)
+        return self.with_nvme(Placement(
+            n_units=self.n_units, slots=min(e.slots, self.L), keep_activation_layers=max(0, e.keep_activation_layers),
+            recompute_group=max(1, e.recompute_group), activation_tier="gpu" if e.activation_tier == "gpu" else "host",
+            grads_tier="gpu" if e.grads_tier == "gpu" else "host", cache_weights=e.cache_weights == "on",
+            gpu_resident_units=n_res, gpu_streamed_units=min(self.streamed_default(n_res), self.n_units - n_res)))
+
+    def plan(self) -> MemoryPlan:
+        unfit_note = ""
+        if not self.on_gpu:
+            placement = self.cpu_placement()
+        else:
+            placement, unfit_note = _GpuSearch(self).run()
+        plan = self.rows_for(placement)
+        if unfit_note:
+            plan.notes.append(unfit_note)
+        if self.sp.known:
+            plan.times_s, plan.binding = predict_stream(self.s, self.sp, placement)
+            plan.speeds = self.sp.describe(self.hw)
+        return plan
+
+
+class _GpuSearch:
+    """The search over splits, kept-graph counts and recompute groups for a run on a GPU: the fastest predicted
+    placement that fits both tiers, else the closest one (for the refusal to show)."""
+
+    def __init__(self, planner: StreamPlanner):
+        p = self.p = planner
+        e, n_units = p.e, p.n_units
+        self.splits = [(r, t) for r in ([min(e.gpu_resident_units, n_units)] if e.gpu_resident_units >= 0
+                                        else range(n_units + 1))
+                       for t in ([min(e.gpu_streamed_units, n_units - r)] if e.gpu_streamed_units >= 0
+                                 else range(n_units - r + 1))
+                       if not p.gpu_updated_only or r + t == n_units]
+        self.kept_choices = [e.keep_activation_layers] if e.keep_activation_layers >= 0 else range(p.L + 1)
+        if not p.sp.known:  # no speeds to choose by: what the config fixes, else every update on the host
+            n_res = min(max(0, e.gpu_resident_units), n_units)
+            self.splits = [(n_res, min(p.streamed_default(n_res), n_units - n_res))]
+            self.kept_choices = [max(0, e.keep_activation_layers)]
+        self.fixed_split = e.gpu_resident_units >= 0 and e.gpu_streamed_units >= 0
+        self.fixed_bytes = {n_kept: sum(b for _, b in p.fixed_rows(n_kept)) for n_kept in self.kept_choices}
+        # the process, the state and every gradient but the embedding's, the head's and two layers' (those are in
+        # the shared accumulators), whichever tier holds them
+        self.held_anyway = (process_host_bytes(p.hw, p.s.compile_workers) + sum(p.state_bytes) - p.nvme_room
+                            + p.fmt.grad_bytes(sum(lay.numel for lay in p.layouts[1:-1])
+                                               - min(2, p.L) * p.s.layer_numel))
+
+    def hbm_left(self, n_kept: int, g: int) -> float:
+        """GPU bytes beyond the fixed working set, the layer ring, the shared accumulators and the margin."""
+        p = self.p
+        return (p.gpu_gib * GIB - self.fixed_bytes[n_kept] - p.ring_bytes - p.side_grad_bytes - p.margin_gib * GIB
+                - p.regenerated_bytes(n_kept, g))
+
+    def search(self, g: int) -> Tuple[List[Candidate], Placement, List[Candidate]]:
+        """(every candidate placement with recompute groups of `g`, the forced placement of the first split, the
+        candidates that fit both tiers)."""
+        p = self.p
+        candidates, fallback = [], None
+        for n_kept in self.kept_choices:
+            found, forced = _placements(p.s, p.e, n_kept, g, self.splits, self.fixed_split, {
+                "free": self.hbm_left(n_kept, g),
+                "host_free": p.host_gib * GIB - sum(p.state_bytes) - 2 * GIB + p.nvme_room,
+                "activation": p.activation_bytes(n_kept, g), "grad": p.grad_bytes, "side_grad": p.side_grad_bytes,
+                "cache": p.cache_bytes, "ring": p.ring_bytes})
+            if fallback is None:
+                fallback = forced
+            candidates += found
+            if not found and p.e.keep_activation_layers < 0:
+                break  # more kept graphs fit no better
+        candidates = [(p.with_nvme(placement), free) for placement, free in candidates]
+        return candidates, p.with_nvme(fallback), [c for c in candidates if not p.rows_for(c[0]).problem()]
+
+    def may_fit(self, g: int) -> bool:
+        """A necessary condition for groups of `g` to fit, cheap beside `search`: for some kept-graph count, HBM
+        holds the working set and the host holds what of the state, kept inputs and gradients the rest of HBM
+        cannot."""
+        p = self.p
+        for n_kept in self.kept_choices:
+            left = self.hbm_left(n_kept, g) + p.ring_bytes - min(p.ring_bytes, p.cache_bytes)  # cached slots: no ring
+            if left >= 0 and self.held_anyway + p.activation_bytes(n_kept, g) - left <= p.host_gib * GIB:
+                return True
+        return False
+
+    def run(self) -> Tuple[Placement, str]:
+        """(the chosen placement, a note for a refusal when no recompute group fitted either)."""
+        p, e = self.p, self.p.e
+        unfit_note = ""
+        candidates, fallback, fitting = self.search(max(1, e.recompute_group))
+        if e.recompute_group < 0 and not fitting:  # every input kept does not fit: the smallest group that does
+            groups = range(2, p.L - min(self.kept_choices) + 1)
+            for g in groups:
+                found = self.search(g) if self.may_fit(g) else None
+                if found and found[2]:
+                    candidates, fallback, fitting = found
+                    break
+            if not fitting and groups:
+                unfit_note = (f"No engine.recompute_group from 2 to {groups[-1]} (recompute groups, one layer input "
+                              "kept per group) fits either.")
+        chosen = choose_split(p.s, p.sp, fitting)
+        if chosen is None and candidates:  # nothing fits both tiers: the closest plan, for the refusal to show
+            chosen = min(candidates, key=lambda c: p.rows_for(c[0]).overflow_bytes())
+        return (chosen[0] if chosen else fallback), unfit_note
