@@ -8,8 +8,10 @@ the disk holds 8.
 Layout: unit by unit, m then v, each region padded to 4 KiB, so one unit is two sequential reads and two sequential
 writes per step. The file is preallocated (`posix_fallocate`: a full disk is refused before training starts) and
 removed at the end of the run; it is scratch, not a checkpoint (checkpoints read the moments back from it). A run
-killed before it could remove its file leaves it behind; the next run with the same directory deletes files whose
-process is gone (`remove_stale_files`) and says so in its log.
+killed before it could remove its file leaves it behind. Each run holds an flock on its own file for the file's
+life, so the next run with the same directory deletes only files whose process is gone from this machine and whose
+lock it can take (`remove_stale_files`; a live run of another machine sharing the disk keeps its file), and says so
+in its log.
 
 Pipeline (the host optimizer pass, engine/streaming/engine.py): three page-aligned staging buffers, each the size of
 the largest disk unit's m + v, rotate over the disk units in update order. While unit k is updated, unit k+1 is read
