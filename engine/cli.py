@@ -29,11 +29,13 @@ def cli() -> None:
 
     register()
 
+    outcomes = []  # each job's result: a summary, or {"refused": why} for a sweep job refused before it started
+
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def train(cfg: DictConfig) -> None:
         from engine.trainer import main
 
-        main(cfg)
+        outcomes.append(main(cfg))
 
     args = get_args_parser().parse_args()
     try:
@@ -45,6 +47,10 @@ def cli() -> None:
         cause = err.__cause__
         message = f"{err}\n{cause}" if isinstance(cause, OmegaConfBaseException) else str(err)
     else:
-        return
+        if len(outcomes) > 1 and all("refused" in o for o in outcomes):  # a sweep of which no job ran
+            message = (f"every one of the sweep's {len(outcomes)} jobs was refused (each job's refused.json says why); "
+                       f"the first: {outcomes[0]['refused']}")
+        else:
+            return
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)

@@ -192,12 +192,14 @@ def plot_title(rows: List[dict]) -> str:
     return f"{common('model')} on {common('hardware')} ({common('gpu')}), engine {common('engine')}"
 
 
-def plot(rows: List[dict], x_key: str, png: Path, title: str) -> None:
+def plot(rows: List[dict], x_key: str, png: Path, title: str) -> bool:
+    """Write the PNG; False (and a note) without matplotlib, which the rows and the table do not need."""
     try:
         import matplotlib
-    except ImportError as e:
-        raise SystemExit("engine.report: the plot needs matplotlib (pip install -e '.[report]'); the rows and the "
-                         "table were written without it") from e
+    except ImportError:
+        print("engine.report: no plot: it needs matplotlib (pip install -e '.[report]'); the rows and the table were "
+              "written without it", file=sys.stderr)
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -240,6 +242,7 @@ def plot(rows: List[dict], x_key: str, png: Path, title: str) -> None:
     ax.set_title(title)
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120, bbox_inches="tight")
+    return True
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -262,8 +265,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     jsonl = args.jsonl or args.dirs[0] / "report.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = args.png or args.dirs[0] / "report.png"
-    plot(rows, args.x, png, plot_title(rows))
-    print(f"rows -> {jsonl}\nplot -> {png}")
+    print(f"rows -> {jsonl}")
+    if plot(rows, args.x, png, plot_title(rows)):
+        print(f"plot -> {png}")
     return 0
 
 

@@ -64,6 +64,28 @@ def test_sweep_records_refused_jobs_and_goes_on(tmp_path):
     assert "max_position_embeddings" in refused[0]["error"]
 
 
+def test_a_sweep_whose_every_job_is_refused_exits_2(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "-m", "model=tiny", "train.seq_len=100000,200000", "logger=none",
+                          "plan=true", f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "error: every one of the sweep's 2 jobs was refused" in out.stderr and "max_position_embeddings" in out.stderr
+    assert len(list(tmp_path.glob("*/refused.json"))) == 2
+
+
+def test_the_report_without_matplotlib_writes_rows_and_the_table(tmp_path, monkeypatch, capsys):
+    """The plot is the only part that needs matplotlib: without it the report says so and still exits 0."""
+    from engine import report
+
+    _train("-m", "model=tiny", "train.seq_len=32", "logger=none", "train.steps=2", "train.val_every=0",
+           "train.val_batches=1", "train.micro_batch_size=2", f"hydra.sweep.dir={tmp_path}")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert report.main([str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "no plot: it needs matplotlib" in err and (tmp_path / "report.jsonl").exists()
+    assert not (tmp_path / "report.png").exists()
+
+
 def test_sweep_report_turns_run_dirs_into_rows_a_table_and_a_plot(tmp_path):
     sweep = tmp_path / "sweep"
     _train("-m", "model=tiny", "train.seq_len=32,64,100000", "logger=none", "train.steps=3", "train.val_every=0",
