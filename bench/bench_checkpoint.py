@@ -135,13 +135,13 @@ def build(cfg):
     from engine.device import resolve_compute_dtype, resolve_device
     from engine.model import ModelSpec
     from engine.plan import build_plan
-    from engine.trainer import build_engine, host_mem_total_gib
+    from engine.trainer import build_engine
 
     spec = ModelSpec(cfg.model)
     device = resolve_device(cfg.hardware.device)
     compute_dtype = resolve_compute_dtype(cfg.train.compute_dtype, device)
     gpu_gib = hardware.apply_gpu_cap(cfg.hardware, device) if device.type == "cuda" else 0.0
-    host_gib = cfg.hardware.host_mem_gib or host_mem_total_gib()
+    host_gib = hardware.host_budget(cfg)
     plan = build_plan(spec, cfg, gpu_gib, host_gib, device.type == "cuda")
     torch.manual_seed(cfg.seed)
     return spec, build_engine(spec, cfg, device, compute_dtype, plan)

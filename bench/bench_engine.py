@@ -174,7 +174,7 @@ GRIDS = {
     ],
     # data parallel over 1, 2, 4, 8 GPUs of one host, 4 sequences of 4096 per GPU and step (weak scaling);
     # the fp32 state is sharded over the ranks (engine/distributed.py), each planning in 1/n of the host's RAM (the
-    # machine's, hardware.host_mem_gib=0: the card profiles describe the one-GPU machine's host)
+    # machine's as measured, hardware.host_mem_gib=0)
     "data_parallel": [
         (f"qwen7b-stream-dp{n}", [f"nproc={n}", "model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.steps=6",
                                    "train.micro_batch_size=2", f"train.grad_accum={2 * n}",

@@ -56,7 +56,11 @@ def replan(row: dict):
     except Exception as err:  # noqa: BLE001 - reported in the table, the other rows go on
         return f"its overrides no longer compose: {str(err).splitlines()[0]}"
     gpu_gib = hardware.usable_gpu_gib(cfg.hardware, 0.0)
-    return build_plan(ModelSpec(cfg.model), cfg, gpu_gib, cfg.hardware.host_mem_gib, on_gpu=True, check=False)
+    # the host of the machine the row ran on: the row's override, else its profile's, wherever this replans it
+    hw = cfg.hardware
+    host_gib = hardware.HostBudget(hw.host_mem_gib, "hardware.host_mem_gib") if hw.host_mem_gib > 0 else \
+        hardware.HostBudget(hw.profile_host_mem_gib, f"hardware.profile_host_mem_gib of hardware={hw.name}")
+    return build_plan(ModelSpec(cfg.model), cfg, gpu_gib, host_gib, on_gpu=True, check=False)
 
 
 def host_gib(row: dict):

@@ -216,7 +216,12 @@ class HardwareConfig(LayerFigures):
     other_card: bool = False
     peak_bf16_tflops: float = 0.0  # dense bf16 matmul peak, the MFU denominator on GPUs
     peak_fp32_tflops: float = 0.0  # the MFU denominator when computing in fp32 (CPU runs)
-    host_mem_gib: float = 0.0  # host RAM the run may use; 0: the machine's MemTotal
+    # host RAM the run may plan with, overriding what is measured; 0: this machine's memory as the run starts (the
+    # cgroup limit or the total, less what other processes use: engine/hardware.py, host_budget)
+    host_mem_gib: float = 0.0
+    # the host RAM of the machine the profile was measured on, used only when planning for that machine from
+    # another one (plan=true with another card's profile); a run plans with the memory of the machine it is on
+    profile_host_mem_gib: float = 0.0
     # the model and hidden size of the layer the LayerFigures were measured on ("", 0: unknown; they then time
     # every model), and the figures of other widths: a model between two calibrated widths is timed at rates
     # interpolated in log(hidden), one outside them at the nearest width's
@@ -721,10 +726,13 @@ TRANSFER_FIGURES = ("h2d_gbps", "d2h_gbps", "bidir_gbps", "cpu_adam_gparams_per_
 ATTENTION_FIGURES = ("attn_fwd_tflops", "attn_bwd_tflops")
 MOE_FIGURES = tuple(f"moe_{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd"))
 HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
-                    "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES, *ATTENTION_FIGURES, *MOE_FIGURES,
-                    *TRANSFER_FIGURES, "bidir_gbps_under_adam", "host_compile_workers_gib")
+                    "profile_host_mem_gib", "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES,
+                    *ATTENTION_FIGURES, *MOE_FIGURES, *TRANSFER_FIGURES, "bidir_gbps_under_adam",
+                    "host_compile_workers_gib")
 # what 0 means for the figures where it is not "unknown"
-ZERO_MEANS = {"host_mem_gib": "this machine's memory", "gpu_mem_cap_gib": "no cap", "nvme_gib": "no NVMe tier",
+ZERO_MEANS = {"host_mem_gib": "this machine's memory",
+              "profile_host_mem_gib": "unknown: a plan for this profile uses the memory of the machine it runs on",
+              "gpu_mem_cap_gib": "no cap", "nvme_gib": "no NVMe tier",
               "bidir_gbps_under_adam": "not measured: the link as fast under the host AdamW as alone"}
 
 

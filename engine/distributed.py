@@ -35,7 +35,8 @@ together (`all_true` over the control group, only while a load is pending). With
 rank holds and updates every unit (all-reduced gradients, no broadcast), W copies of the state.
 
 The ranks of one host share its RAM and cores, so each rank plans with 1 / LOCAL_WORLD_SIZE of the host budget
-(`hardware.host_mem_gib`, or the machine's total) and takes that share of the cores. Rank 0 writes the run's files
+(`hardware.host_mem_gib`, or the machine's memory as rank 0 measures it: engine/hardware.py, host_budget) and takes
+that share of the cores. Rank 0 writes the run's files
 (log, metrics, W&B); the other ranks write their own metrics under `<run dir>/rank<r>/`. A checkpoint is one
 directory in rank 0's run dir: each rank writes its own units' files into it, rank 0 the manifest last, so a
 checkpoint saved by W ranks resumes on any number of ranks (a rank reads only the unit files it owns).

@@ -68,14 +68,6 @@ from engine.streaming.engine import OptimizerPassError
 from engine.streaming.nvme import NvmeError
 
 
-def host_mem_total_gib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    raise RuntimeError("cannot read MemTotal from /proc/meminfo; set hardware.host_mem_gib")
-
-
 def build_engine(spec: ModelSpec, cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype,
                  plan: MemoryPlan, dp: distributed.DataParallel = distributed.SINGLE,
                  execution: Optional[Execution] = None):
@@ -161,7 +153,7 @@ class Trainer:
         full_depth_layers = self.spec.check_expected_params()
         if cfg.plan:  # a plan for the configured hardware, which need not be this machine
             on_gpu = cfg.hardware.device == "cuda" or (cfg.hardware.device == "auto" and torch.cuda.is_available())
-            host_gib = cfg.hardware.host_mem_gib or host_mem_total_gib()
+            host_gib = hardware.host_budget(cfg)  # this machine's, or the profile's when planning for another
             gpu_gib = hardware.usable_gpu_gib(cfg.hardware, 0.0)
             self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, on_gpu, check=False)
             self.depth_truncated = depth_truncated(cfg, full_depth_layers, gpu_gib, host_gib, on_gpu)
@@ -181,7 +173,8 @@ class Trainer:
         # what this run executes, read by the planner and the engine alike (a backend that cannot run is refused)
         self.execution = Execution.of(self.spec, cfg, self.device.type == "cuda", strict=True)
         gpu_gib = hardware.apply_gpu_cap(cfg.hardware, self.device) if self.device.type == "cuda" else 0.0
-        host_gib = (cfg.hardware.host_mem_gib or host_mem_total_gib()) / self.dp.local_world
+        # this machine's host memory (rank 0's figure on every rank, so that all plan alike), shared by its ranks
+        host_gib = hardware.host_budget(cfg, self.dp.broadcast, self.log).per_rank(self.dp.local_world)
         # the host state sharded over the data-parallel ranks (engine/distributed.py): no rank holds every unit
         self.sharded = self.dp.active and cfg.engine.name == "stream" and cfg.engine.shard_state
         state_ranks = self.dp.world if self.sharded else 1

@@ -225,6 +225,7 @@ BAD = {
     "hardware.peak_bf16_tflops": _figures("hardware.peak_bf16_tflops"),
     "hardware.peak_fp32_tflops": _figures("hardware.peak_fp32_tflops"),
     "hardware.host_mem_gib": _figures("hardware.host_mem_gib"),
+    "hardware.profile_host_mem_gib": _figures("hardware.profile_host_mem_gib"),
     "hardware.host_process_gib": _figures("hardware.host_process_gib"),
     "hardware.bidir_gbps_under_adam": _figures("hardware.bidir_gbps_under_adam"),
     "hardware.host_compile_workers_gib": _figures("hardware.host_compile_workers_gib"),
@@ -411,7 +412,9 @@ def test_hardware_auto_keeps_the_fields_a_user_or_recipe_set(monkeypatch):
     cfg = make_cfg(["hardware=auto", "hardware.host_mem_gib=105", "plan=true"], validated=False)
     hardware.resolve(cfg)
     assert cfg.hardware.name == "h200" and cfg.hardware.host_mem_gib == 105
-    assert cfg.hardware.gpu_mem_gib == OmegaConf.load(hardware.PROFILE_DIR / "h200.yaml").gpu_mem_gib
+    profile = OmegaConf.load(hardware.PROFILE_DIR / "h200.yaml")
+    assert cfg.hardware.gpu_mem_gib == profile.gpu_mem_gib
+    assert cfg.hardware.profile_host_mem_gib == profile.profile_host_mem_gib == 125.0  # the profile's machine's host
     recipe = make_cfg(["+experiment=qwen7b_512k_h200", "hardware=auto", "plan=true"], validated=False)
     hardware.resolve(recipe)
     assert recipe.hardware.name == "h200" and recipe.hardware.host_mem_gib == 105

@@ -223,7 +223,8 @@ def test_sharded_state_plans_the_fullest_ranks_share_of_the_host_state():
                     "engine.gpu_streamed_units=0", "hardware.host_process_gib=2", "hardware.bidir_gbps_under_adam=0",
                     "plan=true"])
     spec = ModelSpec(cfg.model)
-    assert cfg.hardware.host_mem_gib == 557.0 and cfg.hardware.h2d_gbps > 0  # the H100's figures, the host's RAM
+    # the H100's figures, the 8-card host's RAM
+    assert cfg.hardware.profile_host_mem_gib == 557.0 and cfg.hardware.h2d_gbps > 0
     whole, shard = (build_plan(spec, cfg, gpu_gib=78.5, host_gib=557.0 / 8, on_gpu=True, check=False, state_ranks=n)
                     for n in (1, 8))
     state_row = lambda plan: next(b for tier, item, b in plan.rows if tier == "host" and "Adam m + v" in item)  # noqa

@@ -19,7 +19,8 @@ PLACEMENT = {"slots": 2, "keep_activation_layers": 4, "recompute_group": 1, "act
 def test_a_row_is_replanned_with_its_placement_on_its_cards_profile(tmp_path, capsys):
     fixed = [f"engine.{k}={v}" for k, v in PLACEMENT.items()]
     cfg = make_cfg([*OVERRIDES, "hardware=h200", *fixed, "plan=true"])
-    expected = build_plan(ModelSpec(cfg.model), cfg, 139.0, cfg.hardware.host_mem_gib, on_gpu=True, check=False)
+    expected = build_plan(ModelSpec(cfg.model), cfg, 139.0, cfg.hardware.profile_host_mem_gib, on_gpu=True,
+                          check=False)
     row = {"job": "qwen7b-64k", "engine": "stream", "overrides": OVERRIDES, "placement": PLACEMENT, "step_s": 6.5,
            "plan_step_s": 5.9, "gpu": "NVIDIA H200", "git_sha": "abc1234", "median_forward_s": 1.7,
            "median_backward_s": 4.4, "gpu_mem_gib": 120.0, "host_mem_gib": 80.0, "host_children_mem_gib": 7.5}

@@ -19,10 +19,13 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
     `state_ranks`: the data-parallel ranks the stream engine's host state is sharded over (engine/distributed.py);
     the host rows are those of the rank holding the most. `execution`: what the run executes (the trainer's, so that
     both price the same run), resolved from the config when not given. `check`: raise PlanError when it does not
-    fit, with the table and what would fit."""
+    fit, with the table and what would fit. Where `host_gib` comes from (a `HostBudget`'s source, engine/hardware.py)
+    is the plan's `host_source`."""
     ex = execution or Execution.of(spec, cfg, on_gpu)
     fmt = StateFormat.of(cfg.train)
     plan = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
+    plan.host_source = getattr(host_gib, "source", "")
+    plan.gpu_cap_gib = cfg.hardware.gpu_mem_cap_gib
     if plan.problem():
         plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
         plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, ex, state_ranks))

@@ -26,6 +26,10 @@ class MemoryPlan:
     speeds: str = ""  # where the time model's figures come from
     suggestions: List[str] = field(default_factory=list)  # smaller state formats that fit, for a refusal
     notes: List[str] = field(default_factory=list)  # for a refusal: what else was tried
+    # where the host limit comes from (engine/hardware.py, host_budget: measured, hardware.host_mem_gib or the
+    # profile's), for the table and a refusal; "" unknown
+    host_source: str = ""
+    gpu_cap_gib: float = 0.0  # hardware.gpu_mem_cap_gib when set: a refusal for GPU memory names it
 
     reserved: Dict[str, int] = field(default_factory=dict)  # bytes per tier held back, not allocated as tensors
 
@@ -62,11 +66,26 @@ class MemoryPlan:
         alternatives = "a smaller model or other hardware"
         if self.engine == "reference":
             alternatives += ", or engine=stream (state in host RAM)"
-        text = (f"The plan needs {' and '.join(over)}. {''.join(note + ' ' for note in self.notes)}Try fewer "
+        text = (f"The plan needs {' and '.join(over)}. {''.join(note + ' ' for note in self.notes)}"
+                f"{''.join(knob + ' ' for knob in self._limit_knobs())}Try fewer "
                 f"tokens per step (train.micro_batch_size, train.grad_accum, train.seq_len), {alternatives}.")
         if self.suggestions:
             text += " Smaller training-state formats that fit (engine/formats.py):\n" + "\n".join(self.suggestions)
         return text
+
+    def _limit_knobs(self) -> List[str]:
+        """For a refusal: the settings that raise the limit of each overflowing tier, with the limit planned with."""
+        knobs = []
+        host = self.limits_gib.get("host")
+        if host and self.total("host") > host * GIB:
+            source = f": {self.host_source}" if self.host_source else ""
+            knobs.append(f"hardware.host_mem_gib=<GiB> plans for more host memory (this run planned with {host:.1f} "
+                         f"GiB{source}).")
+        gpu = self.limits_gib.get("gpu")
+        if gpu and self.total("gpu") > gpu * GIB and self.gpu_cap_gib:
+            knobs.append(f"hardware.gpu_mem_cap_gib={self.gpu_cap_gib:g} caps the GPU memory planned with (0: no "
+                         "cap, the card's own).")
+        return knobs
 
     def table(self) -> str:
         lines = [f"memory plan (engine={self.engine})", f"{'tier':6} {'item':66} {'GiB':>10}"]
@@ -78,6 +97,8 @@ class MemoryPlan:
             limit = self.limits_gib.get(tier)
             lim = f" of {limit:.1f} GiB" if limit else ""
             lines.append(f"{tier:6} {'TOTAL':66} {self.total(tier) / GIB:10.3f}{lim}")
+        if self.host_source:
+            lines.append(f"host memory planned with: {self.limits_gib.get('host', 0.0):.1f} GiB ({self.host_source})")
         if self.placement:
             lines.append("placement: " + ", ".join(f"{k}={v}" for k, v in self.placement_settings().items()))
         if self.times_s:
