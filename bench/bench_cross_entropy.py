@@ -1,4 +1,5 @@
-"""Fused LM head + cross-entropy (streamtrain_kernels/cross_entropy.py) against the unfused torch chains, fwd+bwd, one GPU.
+"""Fused LM head + cross-entropy (streamtrain_kernels/cross_entropy.py) against the unfused torch chains, fwd+bwd,
+one GPU.
 
     python -m bench.bench_cross_entropy --out bench/results/cross_entropy.jsonl
     python -m bench.bench_cross_entropy --tokens 8192 --hidden 3584 --sweep      # + row-kernel launch configs

@@ -25,7 +25,7 @@ from engine.model import ModelSpec
 from tests.util import make_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
-PUBLISHED = {  # shared/reference/models.md, recomputed from config.json and checked against checkpoint indexes
+PUBLISHED = {  # the published config.json, recomputed and checked against checkpoint indexes
     "qwen0_5b": 494_032_768, "qwen1_5b": 1_543_714_304, "qwen3b": 3_085_938_688, "qwen7b": 7_615_616_512,
     "qwen14b": 14_770_033_664, "qwen32b": 32_763_876_352, "qwen72b": 72_706_203_648,
     "qwen3_8b": 8_190_735_360, "qwen3_14b": 14_768_307_200, "qwen3_32b": 32_762_123_264,

@@ -318,7 +318,7 @@ def test_moe_model_configs_round_trip_through_transformers_config(name, tmp_path
     checkpoint.check_hf_config(written, m, tmp_path / "theirs" / "config.json")
 
 
-PUBLISHED_GPT_OSS_20B = {  # openai/gpt-oss-20b config.json (shared/reference/models.md §1.2)
+PUBLISHED_GPT_OSS_20B = {  # openai/gpt-oss-20b config.json
     "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
     "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
     "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,

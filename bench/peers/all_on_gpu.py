@@ -6,7 +6,7 @@ fp32 parameters built directly on the GPU (random init), torch.autocast(bfloat16
 non-reentrant activation checkpointing of every decoder layer, loss / grad_accum per micro-batch, then
 torch.nn.utils.clip_grad_norm_(1.0) and torch.optim.AdamW(fused=True) on the GPU; gradients are freed after each
 step (zero_grad(set_to_none=True)). This is what a user who has the GPU memory runs; at qwen7b on an H200 only
-micro-batch 2 fits (shared/reference/anchors.md).
+micro-batch 2 fits.
 
 `--dry-run` builds a 2-layer truncated model on the CPU and runs one step in fp32 without autocast: a smoke test of
 the script, not a measurement. Details shared by all peers (rows, timing, the supervisor): bench/peers/common.py.

@@ -1,9 +1,9 @@
 """Checkpoints: HF safetensors import and export, training-state save and exact resume, crash safety.
 
-Modules: `safetensors_io` (reading through the `safetensors` library, an own streaming writer that hashes while
-it writes; format: shared/reference/models.md §2.2), `hf` (config.json comparison, import, export), `state`
-(training-state save / verify / load, run fingerprint, RNG state, listing and pruning), `lock` (one run at a
-time per run dir and checkpoint root), `cli` (`python -m engine.checkpoint export|verify`), `common`
+Modules: `safetensors_io` (reading through the `safetensors` library, an own streaming writer that hashes while it
+writes; format: an 8-byte header length, a JSON header, then the raw tensors), `hf` (config.json comparison, import,
+export), `state` (training-state save / verify / load, run fingerprint, RNG state, listing and pruning), `lock` (one run
+at a time per run dir and checkpoint root), `cli` (`python -m engine.checkpoint export|verify`), `common`
 (CheckpointError, the JSON reader). Every name other modules use is re-exported here; file writing goes through
 engine/fileio.py (fsync, sha256, strict JSON).
 

@@ -1,6 +1,6 @@
 """MXFP4 decoding (OCP microscaling FP4), for the expert weights gpt-oss checkpoints ship in.
 
-Format (shared/reference/models.md §1.2): a block of 32 values is 16 bytes of E2M1 codes, two per byte, the low
+Format: a block of 32 values is 16 bytes of E2M1 codes, two per byte, the low
 nibble first, plus one uint8 E8M0 scale s shared by the block. A code's top bit is the sign and its low three bits
 index the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}; the value is that magnitude times 2^(s - 127). Scale 255 is NaN
 in the format and is refused.

@@ -1,5 +1,5 @@
-"""safetensors files (format: shared/reference/models.md §2.2): reading through the `safetensors` library, writing
-with an own streaming writer.
+"""safetensors files (an 8-byte little-endian header length, a JSON header naming each tensor's dtype, shape and
+byte range, then the raw tensors): reading through the `safetensors` library, writing with an own streaming writer.
 
 Reading: `SafetensorsFile` opens a file with `safetensors.safe_open(..., framework="pt", backend="pread")`, which
 checks the whole header against the file on open (header length, JSON, dtypes, offsets that tile the data section

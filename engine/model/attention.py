@@ -8,10 +8,10 @@ Backends (query head j reads kv head j // (nh / kv), the grouping of HF's repeat
 - `auto`: `sdpa`. Measured on an H100 (bench/results/attention_h100_2026-12-05.jsonl): alone, the Triton kernel's
   fwd+bwd is 1.04x SDPA's flash backend at 8K tokens and 1.20-1.22x from 32K to 512K (bench/bench_attention.py,
   contiguous [B, H, T, D] inputs); inside the compiled qwen7b layer at 32K tokens the engine ran 5,366 tok/s with it
-  against 6,283 with SDPA (backward 4.26 s against 3.46 s; bench grid context_attention). The kernel then split the compiled
-  layer into two graphs (see below); it no longer does, but that has not been measured on a GPU yet, so `auto` stays
-  with the backend measured faster where it runs. flash-attn is not chosen by `auto`: it does not build offline, so it
-  was never measured here.
+  against 6,283 with SDPA (backward 4.26 s against 3.46 s; bench grid context_attention). The kernel then split the
+  compiled layer into two graphs (see below); it no longer does, but that has not been measured on a GPU yet, so `auto`
+  stays with the backend measured faster where it runs. flash-attn is not chosen by `auto`: it does not build offline,
+  so it was never measured here.
 
 Models with attention sinks or sliding-window layers (gpt-oss) run on `triton` only, which `auto` then picks: the
 other backends compute neither.
