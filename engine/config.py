@@ -273,8 +273,8 @@ class DataConfig:
 @dataclass
 class LoggerConfig:
     name: str = one_of(MISSING, ("wandb", "none"))
-    project: str = "streamtrain"
-    entity: Optional[str] = None
+    project: Optional[str] = None  # None: $WANDB_PROJECT, else "streamtrain"
+    entity: Optional[str] = None  # None: $WANDB_ENTITY, else W&B's default entity
     mode: str = one_of("offline", ("offline", "online", "disabled"))  # WANDB_MODE in the environment wins
     group: Optional[str] = None  # None: the multirun sweep dir name, so a sweep's jobs group together
     tags: List[str] = field(default_factory=list)
@@ -499,7 +499,7 @@ def _validate_data(cfg: DictConfig) -> None:
 
 def _validate_logger(cfg: DictConfig) -> None:
     lg = cfg.logger
-    _name("logger.project", lg.project)
+    _name("logger.project", lg.project, optional=True)
     _name("logger.entity", lg.entity, optional=True)
     _name("logger.group", lg.group, optional=True)
     for tag in lg.tags:

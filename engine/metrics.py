@@ -83,6 +83,7 @@ import torch
 from engine.fileio import atomic_write, atomic_write_json
 
 GIB = 2**30
+DEFAULT_WANDB_PROJECT = "streamtrain"  # logger.project unset and no $WANDB_PROJECT
 
 _THROUGHPUT_KEYS = ("step_s", "tokens_per_s", "tflops", "mfu")
 _REQUIRED_STEP_KEYS = ("loss", "lr", "grad_norm", "tokens", "step_s")
@@ -407,8 +408,8 @@ class MetricsLogger:
             if wandb is not None:
                 group, name = _hydra_job()
                 self._run = wandb.init(
-                    project=logger_cfg.project,
-                    entity=logger_cfg.entity,
+                    project=logger_cfg.project or os.environ.get("WANDB_PROJECT") or DEFAULT_WANDB_PROJECT,
+                    entity=logger_cfg.entity or os.environ.get("WANDB_ENTITY"),
                     dir=str(self.run_dir),
                     mode=os.environ.get("WANDB_MODE") or logger_cfg.mode,
                     config=config,

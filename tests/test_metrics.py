@@ -211,6 +211,24 @@ def test_wandb_offline_two_runs_in_one_process(tmp_path):
     assert run_ids[0] != run_ids[1]
 
 
+@pytest.mark.parametrize("env, configured, expected", [("from-env", None, "from-env"), (None, None, "streamtrain"),
+                                                       ("from-env", "from-config", "from-config")])
+def test_wandb_project_from_the_config_else_the_environment(env, configured, expected, tmp_path, monkeypatch):
+    if env:
+        monkeypatch.setenv("WANDB_PROJECT", env)
+    else:
+        monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    from tests.util import make_cfg
+
+    composed = make_cfg(["logger=wandb", "logger.progress=lines", *([f"logger.project={configured}"] if configured
+                                                                     else [])])  # the schema's default otherwise
+    log = MetricsLogger(tmp_path / "run", {"seed": 0}, QWEN25_05B, 256, 100.0, composed.logger, total_steps=3)
+    try:
+        assert log._run.project == expected
+    finally:
+        log.close()
+
+
 def test_wandb_overlapping_loggers_keep_their_runs(tmp_path):
     first = make_logger(tmp_path / "a", name="wandb")
     second = make_logger(tmp_path / "b", name="wandb")
