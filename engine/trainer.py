@@ -110,6 +110,18 @@ def depth_truncated_line(d: dict) -> str:
             + "".join(f"\n  full depth: {line}" for line in d["full_depth_formats_that_fit"]))
 
 
+def summary_line(summary: dict) -> str:
+    """The run's outcome in one line, whatever the logger: steps, losses, throughput, peak memory."""
+    def num(key: str, fmt: str) -> str:
+        value = summary.get(key)
+        return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+    outcome = f"failed: {summary['error']}" if summary.get("error") else "done"
+    return (f"{outcome}: {summary.get('steps', 0)} steps, loss {num('final_loss', '.4f')}, val loss "
+            f"{num('initial_val_loss', '.4f')} -> {num('final_val_loss', '.4f')}, {num('median_tokens_per_s', ',.0f')} "
+            f"tok/s (median), peak host {num('peak_host_mem_gib', '.1f')} GiB, GPU {num('peak_gpu_mem_gib', '.1f')} GiB")
+
+
 class RunLog:
     """Prints a line and appends it to `<run dir>/train.log`. Lines printed before `open` (while the run can still
     be refused) are held and written when it opens, so a run refused before it starts writes nothing. With
@@ -442,6 +454,7 @@ class Trainer:
         finally:
             try:
                 summary = self.metrics.close(summary_extra)
+                self.log(summary_line(summary))
                 self.engine.close()
                 self.dp.close()
             finally:

@@ -29,9 +29,12 @@ def _records(run_dir: Path):
 
 def test_default_job_learns(tmp_path):
     """The default recipe, shortened: validation loss leaves ln(256) = 5.5 nats well behind within 40 steps."""
-    _train("logger=none", "train.steps=40", "train.warmup_steps=5", "train.micro_batch_size=8", "train.val_every=0",
-           f"hydra.run.dir={tmp_path}")
+    out = _train("logger=none", "train.steps=40", "train.warmup_steps=5", "train.micro_batch_size=8",
+                 "train.val_every=0", f"hydra.run.dir={tmp_path}")
     summary = json.loads((tmp_path / "summary.json").read_text())
+    # the outcome is printed whatever the logger
+    assert (f"done: 40 steps, loss {summary['final_loss']:.4f}, val loss {summary['initial_val_loss']:.4f} -> "
+            f"{summary['final_val_loss']:.4f}") in out.stdout
     assert summary["initial_val_loss"] > 5.4
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 2.0
     steps = [r for r in _records(tmp_path) if "loss" in r]
@@ -39,6 +42,13 @@ def test_default_job_learns(tmp_path):
                 "gpu_mem_gib", "host_mem_gib"}
     assert len(steps) == 40 and all(required <= r.keys() for r in steps)
     assert summary["config"]["data_description"]["source"] == "stdlib"
+
+
+def test_the_summary_line_says_when_a_run_failed():
+    from engine.trainer import summary_line
+
+    line = summary_line({"error": "OSError('disk full')", "steps": 3, "final_loss": 2.5, "final_val_loss": None})
+    assert line.startswith("failed: OSError('disk full'): 3 steps, loss 2.5000, val loss - -> -")
 
 
 def test_multirun_gives_each_job_its_run_dir_and_wandb_run(tmp_path):
