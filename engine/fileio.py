@@ -73,3 +73,9 @@ def sha256_file(path: str | Path) -> str:
                 break
             digest.update(mv[:n])
     return digest.hexdigest()
+
+
+def free_gib(path: str | Path) -> float:
+    """GiB an unprivileged writer may still use on the filesystem holding `path` (for a full-disk message)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize / 2**30

@@ -1,4 +1,4 @@
-"""The host store holds what DESIGN.md §4 says it holds, and its byte count is what the process really keeps."""
+"""The host store holds the state its placement says it holds, and its byte count is what the process really keeps."""
 
 import gc
 

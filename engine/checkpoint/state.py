@@ -32,7 +32,7 @@ from engine.checkpoint.hf import head_dim_of, norm_rope_scaling, plain, same_val
 from engine.checkpoint.safetensors_io import LazyTensors, Readers, SafetensorsFile, WriteItem, write_safetensors
 from engine.config import ConfigError
 from engine.distributed import SINGLE
-from engine.fileio import fsync_dir, json_bytes, sha256_file, write_durable
+from engine.fileio import free_gib, fsync_dir, json_bytes, sha256_file, write_durable
 
 FORMAT = "streamtrain-checkpoint"
 VERSION = 1
@@ -247,8 +247,7 @@ def check_writable(root: Path, field: str) -> bool:
 def save_failure(root: Path, step: int, err: BaseException) -> str:
     """What a failed save of step `step` says: the step directory, the error, the free space, what is left."""
     try:
-        st = os.statvfs(root)
-        free = f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB free on {root}"
+        free = f"{free_gib(root):.2f} GiB free on {root}"
     except OSError as e:
         free = f"free space on {root} unknown ({e.strerror})"
     complete, _ = list_checkpoints(root)

@@ -49,6 +49,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from engine.fileio import free_gib
+
 ALIGN_BYTES = 4096  # O_DIRECT: buffer address, file offset and length multiples of the logical block size
 IO_CHUNK_BYTES = 256 << 20  # one preadv / pwritev call moves at most this much
 STAGING_BUFFERS = 3
@@ -151,10 +153,9 @@ class MomentFile:
             os.posix_fallocate(self.fd, 0, self.size)
         except OSError as e:
             self._remove()
-            free = os.statvfs(directory_path)
-            free_gib = free.f_bavail * free.f_frsize / 2**30
             raise NvmeError(f"hardware.nvme_dir={directory}: cannot reserve {self.size / 2**30:.2f} GiB for the "
-                            f"moments of {len(self.units)} units ({e.strerror}); {free_gib:.2f} GiB are free there. "
+                            f"moments of {len(self.units)} units ({e.strerror}); {free_gib(directory_path):.2f} GiB "
+                            "are free there. "
                             "Free space, lower engine.nvme_units, or point hardware.nvme_dir at a larger disk") from e
         largest = max(numels.values())
         self.staging = [_aligned_empty(2 * _padded(4 * largest) // 4) for _ in range(STAGING_BUFFERS)]
