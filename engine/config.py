@@ -264,10 +264,24 @@ class HardwareConfig(LayerFigures):
 
 @dataclass
 class DataConfig:
-    name: str = one_of(MISSING, ("stdlib", "memmap", "synthetic"))
-    path: Optional[str] = None  # memmap: the .bin file written by `python -m engine.data prepare`
-    val_fraction: float = 0.02
+    # stdlib | memmap | synthetic: token streams cut into windows; text | chat: records tokenized with the model's
+    # tokenizer and packed into train.seq_len rows by document (engine/data/documents.py)
+    name: str = one_of(MISSING, ("stdlib", "memmap", "synthetic", "text", "chat"))
+    # memmap: the .bin file written by `python -m engine.data prepare`; text/chat: a json/jsonl/parquet/arrow/csv/txt
+    # file, a folder of them, or the name of a dataset in the local Hugging Face cache
+    path: Optional[str] = None
+    val_path: Optional[str] = None  # text/chat: the validation records; None: hold out val_fraction of the documents
+    val_fraction: float = 0.02  # text/chat: of the documents; the token streams: of the tokens (the stream's tail)
     vocab_size: Optional[int] = None  # tokens the data can produce; None: from the source (256 for bytes)
+    # text/chat: a directory with tokenizer.json (and tokenizer_config.json: EOS, chat template); None: the
+    # model.init checkpoint's directory
+    tokenizer: Optional[str] = None
+    # chat: the tokens the loss counts: assistant (the assistant turns / completions; the rest labelled -100) | all
+    loss_on: str = one_of("assistant", ("assistant", "all"))
+    # text/chat: where tokenized data is cached by content hash; None: $STREAMTRAIN_DATA_CACHE, else
+    # ~/.cache/streamtrain/data
+    cache_dir: Optional[str] = None
+    num_proc: int = 0  # text/chat: tokenization processes; 0: min(8, cores)
 
 
 @dataclass
@@ -490,11 +504,23 @@ def _validate_data(cfg: DictConfig) -> None:
             raise ConfigError("data=memmap needs data.path=<tokens .bin written by `python -m engine.data prepare`>")
         if not os.path.isfile(d.path):
             raise ConfigError(f"data.path={d.path!r}: no such file; write it with `python -m engine.data prepare`")
+    elif d.name in ("text", "chat"):
+        if not d.path:
+            raise ConfigError(f"data={d.name} needs data.path=<a json/jsonl/parquet/arrow/csv/txt file, a folder of "
+                              "them, or a dataset name in the local Hugging Face cache>")
+        if d.tokenizer is None and not cfg.model.init.startswith("hf:"):
+            raise ConfigError(f"data={d.name} tokenizes with the model's tokenizer: set model.init=hf:<checkpoint dir> "
+                              "or data.tokenizer=<dir with tokenizer.json>")
     elif d.path is not None:
-        raise ConfigError(f"data.path={d.path!r} is read by data=memmap only; got data={d.name}")
+        raise ConfigError(f"data.path={d.path!r} is read by data=memmap, text and chat only; got data={d.name}")
+    if d.name not in ("text", "chat"):
+        for key in ("val_path", "tokenizer"):
+            if d[key] is not None:
+                raise ConfigError(f"data.{key}={d[key]!r} is read by data=text and chat only; got data={d.name}")
     _real("data.val_fraction", d.val_fraction, 0, 1, low_open=True, high_open=True)
     if d.vocab_size is not None:
         _positive("data.vocab_size", d.vocab_size)
+    _positive("data.num_proc", d.num_proc, 0)
 
 
 def _validate_logger(cfg: DictConfig) -> None:
