@@ -268,9 +268,14 @@ BAD = {
     "hardware.nvme_direct_io": ["hardware.nvme_direct_io=maybe"],
     "data.name": ["data.name=web"],
     "data.path": ["data.path=/nonexistent/tokens.bin data=memmap", "data.path=null data=memmap",
-                  f"data.path={A_FILE}"],
+                  f"data.path={A_FILE}", "data.name=chat data.tokenizer=tok"],
     "data.val_fraction": ["data.val_fraction=0", "data.val_fraction=1", "data.val_fraction=nan"],
     "data.vocab_size": ["data.vocab_size=0", "data.vocab_size=x"],
+    "data.val_path": ["data.val_path=v.jsonl"],  # read by text/chat only
+    "data.tokenizer": ["data.tokenizer=tok", "data.name=chat data.path=d.jsonl"],  # chat needs a tokenizer
+    "data.loss_on": ["data.loss_on=prompt"],
+    "data.cache_dir": ["data.cache_dir=[a]"],
+    "data.num_proc": ["data.num_proc=-1"],
     "logger.name": ["logger.name=tensorboard"],
     "logger.project": ["logger.project=''"],
     "logger.entity": ["logger.entity=''"],
