@@ -32,7 +32,9 @@ def stdlib():
 def test_stdlib_shapes_and_labels_follow_stream(stdlib):
     assert stdlib.vocab_size == 256
     for split in ("train", "val"):
-        ids, labels = stdlib.batch(split, 3, 5)
+        b = stdlib.batch(split, 3, 5)
+        ids, labels = b.ids_BT, b.labels_BT
+        assert b.doc_start_BT is None
         assert ids.shape == labels.shape == (5, SEQ_LEN)
         assert ids.dtype == labels.dtype == torch.int64 and ids.device.type == "cpu"
         for row, start in enumerate(stdlib.window_starts(split, 3, 5)):
@@ -48,7 +50,8 @@ def test_stdlib_deterministic_and_seeded(stdlib):
     assert again.description == stdlib.description
     json.dumps(stdlib.description)
     for index in (0, 7):
-        assert all(torch.equal(a, b) for a, b in zip(stdlib.batch("train", index, 4), again.batch("train", index, 4)))
+        a, b = stdlib.batch("train", index, 4), again.batch("train", index, 4)
+        assert torch.equal(a.ids_BT, b.ids_BT) and torch.equal(a.labels_BT, b.labels_BT)
     assert not np.array_equal(stdlib.window_starts("train", 0, 16), other.window_starts("train", 0, 16))
     # Validation does not depend on the run seed, so val losses compare across runs.
     assert np.array_equal(stdlib.window_starts("val", 0, 16), other.window_starts("val", 0, 16))
@@ -78,7 +81,7 @@ def test_stdlib_wraps_into_reshuffled_epoch(stdlib):
     assert not np.array_equal(first, second)
     # The batch straddling the boundary holds the tail of epoch 0 and the head of epoch 1.
     boundary = n // batch_size
-    ids, _ = stdlib.batch("train", boundary, batch_size)
+    ids = stdlib.batch("train", boundary, batch_size).ids_BT
     tail = n - boundary * batch_size
     start = second[0]
     assert torch.equal(ids[tail], torch.from_numpy(stdlib.tokens[start:start + SEQ_LEN].astype(np.int64)))
@@ -144,7 +147,8 @@ def test_memmap_tokens_match_tokenizer(corpus):
     assert isinstance(data.tokens, np.memmap)
     assert data.vocab_size == meta["vocab_size"] and data.fingerprint.startswith(meta["fingerprint"] + "-max")
     assert data.description["n_tokens"] == len(corpus.expected)
-    ids, labels = data.batch("train", 2, 3)
+    b = data.batch("train", 2, 3)
+    ids, labels = b.ids_BT, b.labels_BT
     assert ids.shape == (3, 8) and ids.dtype == torch.int64
     for row, start in enumerate(data.window_starts("train", 2, 3)):
         assert ids[row].tolist() == corpus.expected[start:start + 8]
@@ -230,14 +234,16 @@ def test_synthetic():
     data = build_data(cfg("synthetic", vocab_size=50), 16, seed=3, model_vocab_size=64)
     again = build_data(cfg("synthetic", vocab_size=50), 16, seed=3, model_vocab_size=64)
     other = build_data(cfg("synthetic", vocab_size=50), 16, seed=4, model_vocab_size=64)
-    ids, labels = data.batch("train", 5, 4)
+    b = data.batch("train", 5, 4)
+    ids, labels = b.ids_BT, b.labels_BT
+    assert b.doc_start_BT is None
     assert ids.shape == (4, 16) and ids.dtype == torch.int64
     assert 0 <= int(ids.min()) and int(ids.max()) < 50 and int(labels.max()) < 50
     assert torch.equal(ids[:, 1:], labels[:, :-1])
-    assert torch.equal(ids, again.batch("train", 5, 4)[0])
-    assert not torch.equal(ids, other.batch("train", 5, 4)[0])
-    assert not torch.equal(ids, data.batch("val", 5, 4)[0])
-    assert not torch.equal(ids, data.batch("train", 6, 4)[0])
+    assert torch.equal(ids, again.batch("train", 5, 4).ids_BT)
+    assert not torch.equal(ids, other.batch("train", 5, 4).ids_BT)
+    assert not torch.equal(ids, data.batch("val", 5, 4).ids_BT)
+    assert not torch.equal(ids, data.batch("train", 6, 4).ids_BT)
     assert data.fingerprint == again.fingerprint != other.fingerprint
     assert data.num_sequences("train") == 2**31 and data.num_sequences("val") == 1024
     json.dumps(data.description)

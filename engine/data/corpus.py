@@ -1,6 +1,7 @@
 """Token data: where training sequences come from.
 
-Three sources, all served through one `TokenData` interface:
+The token-stream sources (text and chat records are in documents.py), all served through one `TokenData` interface
+whose `batch()` returns an `engine.batch.Batch` (here with `doc_start_BT=None`: a window is one causal stream):
 
 - stdlib: every `.py` and `.txt` file of the running Python's standard library (installed packages excluded), in
   sorted path order, joined with newlines and tokenised as raw bytes (vocab 256). It exists on every machine, needs no
@@ -46,9 +47,10 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
+from engine.batch import Batch
 from engine.fileio import atomic_write, atomic_write_json, sha256_file
 
-SOURCES = ("stdlib", "memmap", "synthetic")
+CORPUS_SOURCES = ("stdlib", "memmap", "synthetic")
 SPLITS = ("train", "val")
 PREPARE_SUFFIXES = (".txt", ".md", ".py")
 # Document separators, most specific first; the first one the tokenizer has as a special token is appended to
@@ -82,21 +84,27 @@ class TokenData(abc.ABC):
 
     @abc.abstractmethod
     def num_sequences(self, split: str) -> int:
-        """Windows in one epoch of the split."""
+        """Rows in one epoch of the split."""
 
-    @abc.abstractmethod
     def _windows(self, split: str, first: int, count: int) -> torch.Tensor:
-        """Positions first ... first+count-1 of the split's endless order, as int64 [count, seq_len+1]."""
+        """Positions first ... first+count-1 of the split's endless order, as int64 [count, seq_len+1] (the token
+        streams: ids are w[:-1], labels w[1:])."""
+        raise NotImplementedError
 
-    def batch(self, split: str, index: int, batch_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(ids_BT, labels_BT): int64 CPU tensors [batch_size, seq_len]; labels are the next tokens."""
+    def _batch(self, split: str, first: int, count: int) -> Batch:
+        """Rows first ... first+count-1 of the split's endless order."""
+        windows_BW = self._windows(split, first, count)
+        return Batch(windows_BW[:, :-1].contiguous(), windows_BW[:, 1:].contiguous())
+
+    def batch(self, split: str, index: int, batch_size: int) -> Batch:
+        """Rows index*B ... index*B+B-1 of the split's order: int64 CPU tensors [batch_size, seq_len] (labels: the
+        next tokens, IGNORE_INDEX where nothing is predicted); doc_start_BT for packed documents, else None."""
         _check_split(split)
         if batch_size < 1:
             raise DataError(f"batch_size={batch_size} must be >= 1")
         if index < 0:
             raise DataError(f"batch index={index} must be >= 0")
-        windows_BW = self._windows(split, index * batch_size, batch_size)
-        return windows_BW[:, :-1].contiguous(), windows_BW[:, 1:].contiguous()
+        return self._batch(split, index * batch_size, batch_size)
 
 
 def _check_split(split: str) -> None:
@@ -309,21 +317,7 @@ def _load_synthetic(data_cfg, seq_len: int, seed: int, model_vocab_size: int) ->
     return SyntheticData(seq_len=seq_len, seed=seed, vocab_size=vocab_size)
 
 
-_LOADERS = {"stdlib": _load_stdlib, "memmap": _load_memmap, "synthetic": _load_synthetic}
-
-
-def build_data(data_cfg, seq_len: int, seed: int, model_vocab_size: int) -> TokenData:
-    """The TokenData described by data_cfg (fields name, path, val_fraction, vocab_size), cut into seq_len
-    sequences. Raises DataError for anything that cannot be served, before reading a corpus where it can."""
-    name = getattr(data_cfg, "name", None)
-    if name not in _LOADERS:
-        raise DataError(f"data.name={name!r} is not valid; choose one of {', '.join(SOURCES)}")
-    if seq_len < 1:
-        raise DataError(f"seq_len={seq_len} must be >= 1")
-    val_fraction = getattr(data_cfg, "val_fraction", None)
-    if val_fraction is None or not 0 < val_fraction < 1:
-        raise DataError(f"data.val_fraction={val_fraction} must be within (0, 1)")
-    return _LOADERS[name](data_cfg, seq_len, seed, model_vocab_size)
+LOADERS = {"stdlib": _load_stdlib, "memmap": _load_memmap, "synthetic": _load_synthetic}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -452,7 +446,3 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"wrote {args.out}: {meta['n_tokens']:,} tokens, vocab_size={meta['vocab_size']}, "
           f"fingerprint={meta['fingerprint']}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,8 @@
+"""`python -m engine.data prepare --tokenizer tokenizer.json --out tokens.bin <files or dirs>` (engine/data/corpus.py)."""
+
+import sys
+
+from engine.data.corpus import main
+
+if __name__ == "__main__":
+    sys.exit(main())
