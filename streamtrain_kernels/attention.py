@@ -65,7 +65,7 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _NEG_INF = float("-inf")
 
-__all__ = ["FlashAttention", "flash_attention", "flash_attention_with_lse", "merge_attention"]
+__all__ = ["FlashAttention", "check_doc_start", "flash_attention", "flash_attention_with_lse", "merge_attention"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -102,6 +102,25 @@ def _kv_range(start_m, q_offset, Tk, W, BLOCK_M: tl.constexpr, CAUSAL: tl.conste
 
 
 @triton.jit
+def _doc_kv_bounds(DS, start_m, Tq, lo, flo, BLOCK_M: tl.constexpr):
+    """Documents (q_offset = 0): raise the key range of query block [start_m, start_m + BLOCK_M) to its first row's
+    doc_start (the smallest, doc_start never decreases along a row) and its fully visible range to the last valid
+    row's (the largest)."""
+    lo = tl.maximum(lo, tl.load(DS + start_m))
+    flo = tl.maximum(flo, tl.load(DS + tl.minimum(start_m + BLOCK_M, Tq) - 1))
+    return lo, flo
+
+
+@triton.jit
+def _doc_q_bounds(DE, start_n, Tk, fhi, hi, BLOCK_N: tl.constexpr):
+    """Documents (q_offset = 0): the queries that see key j end at doc_end[j] (exclusive): cap the query range of key
+    block [start_n, start_n + BLOCK_N) at its last valid key's doc_end and the fully visible range at its first's."""
+    hi = tl.minimum(hi, tl.load(DE + tl.minimum(start_n + BLOCK_N, Tk) - 1))
+    fhi = tl.minimum(fhi, tl.load(DE + start_n))
+    return fhi, hi
+
+
+@triton.jit
 def _q_range(start_n, q_offset, Tq, W, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Query rows that see some key of [start_n, start_n + BLOCK_N): [lo, hi); that see all of it: [flo, fhi)."""
     jmin = start_n
@@ -125,9 +144,9 @@ def _q_range(start_n, q_offset, Tq, W, BLOCK_N: tl.constexpr, CAUSAL: tl.constex
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset, qk_scale, Tk, W,
-               n_lo, n_hi,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-               UPCAST: tl.constexpr, PREC: tl.constexpr):
+               n_lo, n_hi, ds_m,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
+               BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     for start_n in range(n_lo, n_hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
@@ -145,6 +164,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n0, offs_d, of
                 vis = vis & (offs_n[None, :] <= pos_q[:, None])
             if HAS_WINDOW:
                 vis = vis & (offs_n[None, :] > pos_q[:, None] - W)
+            if HAS_DOCS:
+                vis = vis & (offs_n[None, :] >= ds_m[:, None])
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
@@ -161,14 +182,15 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n0, offs_d, of
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, S, O, LSE,
+def _attn_fwd(Q, K, V, S, O, LSE, DS,
               stride_qb, stride_qh, stride_qt,
               stride_kb, stride_kh, stride_kt,
               stride_vb, stride_vh, stride_vt,
               stride_ob, stride_oh, stride_ot,
               Hq, G, Tq, Tk, q_offset, W, qk_scale, T_BUCKET,
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-              UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the heaviest (last) query blocks first: better tail balance
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -201,14 +223,20 @@ def _attn_fwd(Q, K, V, S, O, LSE,
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     lo, flo, fhi, hi = _kv_range(start_m, q_offset, Tk, W, BLOCK_M, CAUSAL, HAS_WINDOW)
+    ds_m = offs_m  # placeholder without documents (unused)
+    if HAS_DOCS:
+        DS += b.to(tl.int64) * Tq
+        ds_m = tl.load(DS + offs_m, mask=row_ok, other=0)
+        lo, flo = _doc_kv_bounds(DS, start_m, Tq, lo, flo, BLOCK_M)
     a, bb, c = _split_range(lo, flo, fhi, hi, BLOCK_N)
-    if HAS_WINDOW:
+    if HAS_WINDOW or HAS_DOCS:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
-                                   qk_scale, Tk, W, a, bb, True, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+                                   qk_scale, Tk, W, a, bb, ds_m, True, CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N, UPCAST,
+                                   PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
-                               qk_scale, Tk, W, bb, c, False, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+                               qk_scale, Tk, W, bb, c, ds_m, False, CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N, UPCAST, PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
-                               qk_scale, Tk, W, c, hi, True, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+                               qk_scale, Tk, W, c, hi, ds_m, True, CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N, UPCAST, PREC)
 
     empty = l_i == 0.0  # no key and no sink: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -245,10 +273,10 @@ def _bwd_preprocess(O, DO, DLSE, DELTA,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_m0, offs_d, offs_n, qk_scale,
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, offs_m0, offs_d, offs_n, qk_scale,
                 q_offset, Tq, Tk, W, m_lo, m_hi,
-                MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                UPCAST: tl.constexpr, PREC: tl.constexpr):
+                MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
+                BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     for start_m in range(m_lo, m_hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
@@ -272,6 +300,9 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_m0,
                 vis = vis & (offs_n[:, None] <= pos_q[None, :])
             if HAS_WINDOW:
                 vis = vis & (offs_n[:, None] > pos_q[None, :] - W)
+            if HAS_DOCS:
+                ds_m = tl.load(DS + offs_m, mask=row_ok, other=0)
+                vis = vis & (offs_n[:, None] >= ds_m[None, :])
             pT = tl.where(vis, pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -281,7 +312,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_m0,
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DS, DE,
                    stride_qb, stride_qh, stride_qt,
                    stride_kb, stride_kh, stride_kt,
                    stride_vb, stride_vh, stride_vt,
@@ -289,7 +320,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    stride_dkb, stride_dkh, stride_dkt,
                    stride_dvb, stride_dvh, stride_dvt,
                    Hq, Hkv, G, Tq, Tk, q_offset, W, qk_scale, scale, T_BUCKET,
-                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
                    UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)  # causal: the first key blocks are the heaviest and run first
     bh = tl.program_id(1)
@@ -311,11 +342,19 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
     lo, flo, fhi, hi = _q_range(start_n, q_offset, Tq, W, BLOCK_N, CAUSAL, HAS_WINDOW)
+    if HAS_DOCS:
+        DS += b.to(tl.int64) * Tq
+        DE += b.to(tl.int64) * Tk
+        fhi, hi = _doc_q_bounds(DE, start_n, Tk, fhi, hi, BLOCK_N)
     a, bb, c = _split_range(lo, flo, fhi, hi, BLOCK_M)
     if not HAS_WINDOW:
         # Without a window only the diagonal needs a mask here: rows past Tq load q = dO = 0 and lse = +inf, so
         # they add exactly 0 to dK and dV and the ragged last query block can run unmasked (one loop less).
-        c = tl.maximum(hi, bb)
+        # With documents the same holds for a key block whose first key is in the row's last document.
+        if HAS_DOCS:
+            c = tl.where(fhi >= Tq, tl.maximum(hi, bb), c)
+        else:
+            c = tl.maximum(hi, bb)
     for g in range(G):  # the query heads of this kv head's group
         h = hk * G + g
         Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
@@ -323,13 +362,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
         LSEh = LSE + (b * Hq + h).to(tl.int64) * Tq
         DELTAh = DELTA + (b * Hq + h).to(tl.int64) * Tq
         if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_m0, offs_d, offs_n,
-                                 qk_scale, q_offset, Tq, Tk, W, a, bb, True, CAUSAL, HAS_WINDOW, BLOCK_M, UPCAST, PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_m0, offs_d, offs_n,
-                             qk_scale, q_offset, Tq, Tk, W, bb, c, False, CAUSAL, HAS_WINDOW, BLOCK_M, UPCAST, PREC)
-        if HAS_WINDOW:
-            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_m0, offs_d, offs_n,
-                                 qk_scale, q_offset, Tq, Tk, W, c, hi, True, CAUSAL, HAS_WINDOW, BLOCK_M, UPCAST, PREC)
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DS, stride_qt, stride_dot, offs_m0, offs_d,
+                                 offs_n, qk_scale, q_offset, Tq, Tk, W, a, bb, True, CAUSAL, HAS_WINDOW, HAS_DOCS,
+                                 BLOCK_M, UPCAST, PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DS, stride_qt, stride_dot, offs_m0, offs_d, offs_n,
+                             qk_scale, q_offset, Tq, Tk, W, bb, c, False, CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_M, UPCAST,
+                             PREC)
+        if HAS_WINDOW or HAS_DOCS:
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DS, stride_qt, stride_dot, offs_m0, offs_d,
+                                 offs_n, qk_scale, q_offset, Tq, Tk, W, c, hi, True, CAUSAL, HAS_WINDOW, HAS_DOCS,
+                                 BLOCK_M, UPCAST, PREC)
     dk = dk * scale
     DK += b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
     DV += b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
@@ -341,9 +383,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset, qk_scale, Tk, W,
-              n_lo, n_hi,
-              MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-              UPCAST: tl.constexpr, PREC: tl.constexpr):
+              n_lo, n_hi, ds_m,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
+              BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     for start_n in range(n_lo, n_hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
@@ -362,6 +404,8 @@ def _dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_n0, offs_d
                 vis = vis & (offs_n[None, :] <= pos_q[:, None])
             if HAS_WINDOW:
                 vis = vis & (offs_n[None, :] > pos_q[:, None] - W)
+            if HAS_DOCS:
+                vis = vis & (offs_n[None, :] >= ds_m[:, None])
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
@@ -370,14 +414,14 @@ def _dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_n0, offs_d
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DS,
                  stride_qb, stride_qh, stride_qt,
                  stride_kb, stride_kh, stride_kt,
                  stride_vb, stride_vh, stride_vt,
                  stride_dob, stride_doh, stride_dot,
                  stride_dqb, stride_dqh, stride_dqt,
                  Hq, G, Tq, Tk, q_offset, W, qk_scale, scale, T_BUCKET,
-                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
                  UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -406,14 +450,19 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     lo, flo, fhi, hi = _kv_range(start_m, q_offset, Tk, W, BLOCK_M, CAUSAL, HAS_WINDOW)
+    ds_m = offs_m  # placeholder without documents (unused)
+    if HAS_DOCS:
+        DS += b.to(tl.int64) * Tq
+        ds_m = tl.load(DS + offs_m, mask=row_ok, other=0)
+        lo, flo = _doc_kv_bounds(DS, start_m, Tq, lo, flo, BLOCK_M)
     a, bb, c = _split_range(lo, flo, fhi, hi, BLOCK_N)
-    if HAS_WINDOW:
+    if HAS_WINDOW or HAS_DOCS:
         dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
-                       qk_scale, Tk, W, a, bb, True, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+                       qk_scale, Tk, W, a, bb, ds_m, True, CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N, UPCAST, PREC)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
-                   qk_scale, Tk, W, bb, c, False, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+                   qk_scale, Tk, W, bb, c, ds_m, False, CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N, UPCAST, PREC)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_n0, offs_d, offs_m, Tq, q_offset,
-                   qk_scale, Tk, W, c, hi, True, CAUSAL, HAS_WINDOW, BLOCK_N, UPCAST, PREC)
+                   qk_scale, Tk, W, c, hi, ds_m, True, CAUSAL, HAS_WINDOW, HAS_DOCS, BLOCK_N, UPCAST, PREC)
     dq = dq * scale
     DQ += b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
     tl.store(DQ + offs_m[:, None].to(tl.int64) * stride_dqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -424,7 +473,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
 # launch configuration
 # ----------------------------------------------------------------------------------------------------------------
 
-_KEY = ["HEAD_DIM", "T_BUCKET", "CAUSAL", "HAS_WINDOW"]
+_KEY = ["HEAD_DIM", "T_BUCKET", "CAUSAL", "HAS_WINDOW", "HAS_DOCS"]
 
 
 def _cfgs(rows):
@@ -503,13 +552,60 @@ def _check(q, k, v, sinks, window, scale):
         raise ValueError(f"sinks must be [Hq] = [{Hq}], got {tuple(sinks.shape)}")
 
 
+def _check_docs(q, k, doc_start, causal, q_offset):
+    """Shape/dtype/device checks of doc_start (no look at its values: that would sync the GPU; see
+    `check_doc_start`). Returns it as contiguous int32 [B, T]."""
+    B, _, Tq, _ = q.shape
+    Tk = k.shape[2]
+    if not causal:
+        raise ValueError("doc_start needs causal=True (a token attends to doc_start[i] <= j <= i)")
+    if Tq != Tk or q_offset != 0:
+        raise ValueError(f"doc_start needs Tq == Tk and q_offset == 0 (one packed row as queries and keys); got "
+                         f"Tq={Tq}, Tk={Tk}, q_offset={q_offset}")
+    if doc_start.dim() != 2 or tuple(doc_start.shape) != (B, Tq):
+        raise ValueError(f"doc_start must be [B, T] = [{B}, {Tq}], got {tuple(doc_start.shape)}")
+    if doc_start.dtype not in (torch.int32, torch.int64) or doc_start.device != q.device:
+        raise ValueError(f"doc_start must be an int32 (or int64) tensor on q's device; got {doc_start.dtype} on "
+                         f"{doc_start.device}")
+    return doc_start.to(torch.int32).contiguous()
+
+
+def check_doc_start(doc_start: torch.Tensor) -> None:
+    """Raise ValueError unless doc_start [B, T] is a valid packing: every row is a run of contiguous documents and
+    doc_start[b, i] is the first index of i's document (doc_start[b, 0] = 0, and doc_start[b, i] is either
+    doc_start[b, i - 1] or i). Reads the values (a device sync on the GPU): for data pipelines and tests; the
+    kernels trust their input (an invalid doc_start gives wrong results, never an out-of-bounds access)."""
+    if doc_start.dim() != 2:
+        raise ValueError(f"doc_start must be [B, T], got {tuple(doc_start.shape)}")
+    if doc_start.shape[1] == 0:
+        return
+    ds = doc_start.long()
+    idx = torch.arange(ds.shape[1], device=ds.device)
+    prev = torch.cat([ds[:, :1], ds[:, :-1]], dim=1)
+    ok = (ds[:, 0] == 0).all() & ((ds == prev) | (ds == idx)).all()
+    if not bool(ok):
+        raise ValueError("doc_start: each row must hold contiguous documents, doc_start[i] being the index where "
+                         "i's document begins (0 at i = 0, then either doc_start[i - 1] or i)")
+
+
+def _doc_end(ds: torch.Tensor) -> torch.Tensor:
+    """int32 [B, T]: the end (exclusive) of each position's document, i.e. the next document's start or T. A
+    handful of tiny [B, T] torch ops, no sync: the dK/dV kernel reads it for the last query that sees a key."""
+    B, T = ds.shape
+    idx = torch.arange(1, T, device=ds.device, dtype=torch.int32)
+    starts = torch.where(ds[:, 1:] != ds[:, :-1], idx, T)  # [B, T - 1]: k where a document starts at k >= 1, else T
+    nxt = torch.cat([starts, torch.full((B, 1), T, device=ds.device, dtype=torch.int32)], dim=1)
+    # doc_end[j] = min(nxt[j:]) (nxt[j] is about position j + 1): a suffix minimum
+    return torch.flip(torch.cummin(torch.flip(nxt, [1]), dim=1).values, [1]).to(torch.int32).contiguous()
+
+
 def _flags(q):
     upcast = INTERPRET
     prec = "ieee" if INTERPRET or q.dtype == torch.float32 else "tf32"  # tf32 is moot for bf16/fp16 operands
     return upcast, prec
 
 
-def _forward(q, k, v, sinks, causal, window, scale, q_offset):
+def _forward(q, k, v, sinks, causal, window, scale, q_offset, doc_start=None):
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     out = torch.empty((B, Hq, Tq, D), device=q.device, dtype=q.dtype)
@@ -519,18 +615,18 @@ def _forward(q, k, v, sinks, causal, window, scale, q_offset):
     upcast, prec = _flags(q)
     has_sinks = sinks is not None
     _launch("fwd", q.dtype, lambda bm, bn: (triton.cdiv(Tq, bm), B * Hq),
-            q, k, v, sinks if has_sinks else lse, out, lse,
+            q, k, v, sinks if has_sinks else lse, out, lse, doc_start if doc_start is not None else lse,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             Hq, Hq // Hkv, Tq, Tk, q_offset, window or 0, scale * LOG2E, _t_bucket(max(Tq, Tk)),
             HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=window is not None, HAS_SINKS=has_sinks,
-            UPCAST=upcast, PREC=prec)
+            HAS_DOCS=doc_start is not None, UPCAST=upcast, PREC=prec)
     return out, lse
 
 
-def _backward(do, dlse, q, k, v, out, lse, sinks, causal, window, scale, q_offset):
+def _backward(do, dlse, q, k, v, out, lse, sinks, causal, window, scale, q_offset, doc_start=None):
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     dq = torch.empty((B, Hq, Tq, D), device=q.device, dtype=q.dtype)
@@ -541,6 +637,8 @@ def _backward(do, dlse, q, k, v, out, lse, sinks, causal, window, scale, q_offse
     bucket = _t_bucket(max(Tq, Tk))
     has_window = window is not None
     W = window or 0
+    has_docs = doc_start is not None and Tq > 0
+    doc_end = _doc_end(doc_start) if has_docs else None
     if Tq > 0 and B * Hq > 0:
         _bwd_preprocess[(triton.cdiv(Tq, _PRE_BLOCK), B * Hq)](
             out, do, dlse if dlse is not None else lse, delta,
@@ -548,7 +646,7 @@ def _backward(do, dlse, q, k, v, out, lse, sinks, causal, window, scale, q_offse
             Hq, Tq, HEAD_DIM=D, HAS_DLSE=dlse is not None, BLOCK_M=_PRE_BLOCK)
     if Tk > 0 and B * Hkv > 0:
         _launch("dkdv", q.dtype, lambda bm, bn: (triton.cdiv(Tk, bn), B * Hkv),
-                q, k, v, do, lse, delta, dk, dv,
+                q, k, v, do, lse, delta, dk, dv, doc_start if has_docs else lse, doc_end if has_docs else lse,
                 q.stride(0), q.stride(1), q.stride(2),
                 k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2),
@@ -556,17 +654,17 @@ def _backward(do, dlse, q, k, v, out, lse, sinks, causal, window, scale, q_offse
                 dk.stride(0), dk.stride(1), dk.stride(2),
                 dv.stride(0), dv.stride(1), dv.stride(2),
                 Hq, Hkv, Hq // Hkv, Tq, Tk, q_offset, W, scale * LOG2E, scale, bucket,
-                HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=has_window, UPCAST=upcast, PREC=prec)
+                HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=has_window, HAS_DOCS=has_docs, UPCAST=upcast, PREC=prec)
     if Tq > 0 and B * Hq > 0:
         _launch("dq", q.dtype, lambda bm, bn: (triton.cdiv(Tq, bm), B * Hq),
-                q, k, v, do, lse, delta, dq,
+                q, k, v, do, lse, delta, dq, doc_start if has_docs else lse,
                 q.stride(0), q.stride(1), q.stride(2),
                 k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2),
                 do.stride(0), do.stride(1), do.stride(2),
                 dq.stride(0), dq.stride(1), dq.stride(2),
                 Hq, Hq // Hkv, Tq, Tk, q_offset, W, scale * LOG2E, scale, bucket,
-                HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=has_window, UPCAST=upcast, PREC=prec)
+                HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=has_window, HAS_DOCS=has_docs, UPCAST=upcast, PREC=prec)
     dsinks = None
     if sinks is not None:
         # dL/dsink_h = -sum_{b,i} exp(sink_h - lse_bhi) * delta_bhi   (delta already holds rowsum(dO*O) - dlse)
@@ -575,56 +673,67 @@ def _backward(do, dlse, q, k, v, out, lse, sinks, causal, window, scale, q_offse
 
 
 class FlashAttention(torch.autograd.Function):
-    """(q, k, v, sinks, causal, window, scale, q_offset) -> (out, lse); differentiable in q, k, v, sinks, and
-    through both outputs (a gradient on lse enters the backward as delta -= dlse)."""
+    """(q, k, v, sinks, causal, window, scale, q_offset[, doc_start]) -> (out, lse); differentiable in q, k, v,
+    sinks, and through both outputs (a gradient on lse enters the backward as delta -= dlse). doc_start: already
+    checked contiguous int32 [B, T] (see `_check_docs`), or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, causal, window, scale, q_offset):
+    def forward(ctx, q, k, v, sinks, causal, window, scale, q_offset, *doc_start):
         ctx.set_materialize_grads(False)  # an unused out / lse gives None, not a zero tensor
+        ctx.n_doc_args = len(doc_start)
+        ds = doc_start[0] if doc_start else None
         s32 = sinks.detach().float().contiguous() if sinks is not None else None
-        out, lse = _forward(q, k, v, s32, causal, window, scale, q_offset)
-        ctx.save_for_backward(q, k, v, out, lse, s32)
+        out, lse = _forward(q, k, v, s32, causal, window, scale, q_offset, ds)
+        ctx.save_for_backward(q, k, v, out, lse, s32, ds)
         ctx.cfg = (causal, window, scale, q_offset)
         ctx.sinks_dtype = sinks.dtype if sinks is not None else None
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, s32 = ctx.saved_tensors
+        q, k, v, out, lse, s32, ds = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         dout = _last_dim_contiguous(dout)
         if dlse is not None:
             dlse = dlse.float().contiguous()
-        dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, s32, *ctx.cfg)
+        dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, s32, *ctx.cfg, ds)
         if dsinks is not None:
             dsinks = dsinks.to(ctx.sinks_dtype)
-        return dq, dk, dv, dsinks, None, None, None, None
+        return (dq, dk, dv, dsinks, None, None, None, None) + (None,) * ctx.n_doc_args
 
 
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                              window: int | None = None, sinks: torch.Tensor | None = None,
-                             scale: float | None = None, q_offset: int | None = None):
+                             scale: float | None = None, q_offset: int | None = None,
+                             doc_start: torch.Tensor | None = None):
     """Returns (out [B, Hq, Tq, D] in q's dtype, lse [B, Hq, Tq] fp32, natural log, sink included).
 
     window: each query sees the keys j with p_i - window < j (<= p_i when causal): `window` keys, itself included.
     sinks: fp32 [Hq] logits appended to every softmax row (gpt-oss). scale: default D**-0.5.
     q_offset: key position of query row 0 (default Tk - Tq; pass it for chunked attention, e.g. 0 for the first
-    KV chunk and -c for a KV chunk starting at c)."""
+    KV chunk and -c for a KV chunk starting at c).
+    doc_start: int32 [B, T] (engine/batch.py's `doc_start_BT`; int64 is converted) for packed rows: query i also
+    needs j >= doc_start[b, i]. Needs causal=True and Tq == Tk with q_offset 0 (ValueError otherwise: chunked
+    attention over packed rows is not supported). Its values are trusted (see `check_doc_start`)."""
     _check(q, k, v, sinks, window, scale)
     D = q.shape[-1]
     scale = float(D ** -0.5 if scale is None else scale)
     q_offset = int(k.shape[2] - q.shape[2] if q_offset is None else q_offset)
     window = None if window is None else int(window)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    return FlashAttention.apply(q, k, v, sinks, bool(causal), window, scale, q_offset)
+    if doc_start is None:
+        return FlashAttention.apply(q, k, v, sinks, bool(causal), window, scale, q_offset)
+    ds = _check_docs(q, k, doc_start, bool(causal), q_offset)
+    return FlashAttention.apply(q, k, v, sinks, bool(causal), window, scale, q_offset, ds)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     window: int | None = None, sinks: torch.Tensor | None = None,
-                    scale: float | None = None, q_offset: int | None = None) -> torch.Tensor:
+                    scale: float | None = None, q_offset: int | None = None,
+                    doc_start: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [B, Hq, Tq, D]; see flash_attention_with_lse."""
-    return flash_attention_with_lse(q, k, v, causal, window, sinks, scale, q_offset)[0]
+    return flash_attention_with_lse(q, k, v, causal, window, sinks, scale, q_offset, doc_start)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -638,17 +747,21 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 @torch.library.custom_op("streamtrain::flash_attention_fwd", mutates_args=())
 def layer_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
-                            sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+                            sinks: Optional[torch.Tensor], doc_start: Optional[torch.Tensor] = None
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, T, D], lse [B, Hq, T] fp32) of causal attention with the default scale; see
-    flash_attention_with_lse. Differentiable in q, k, v and sinks."""
+    flash_attention_with_lse. Differentiable in q, k, v and sinks (not doc_start). doc_start: int32 [B, T] of a
+    packed row, or None; with it Tq must equal Tk (ValueError otherwise)."""
     _check(q, k, v, sinks, window, None)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     s32 = sinks.detach().float().contiguous() if sinks is not None else None
-    return _forward(q, k, v, s32, True, window, q.shape[-1] ** -0.5, k.shape[2] - q.shape[2])
+    q_offset = k.shape[2] - q.shape[2]
+    ds = _check_docs(q, k, doc_start, True, q_offset) if doc_start is not None else None
+    return _forward(q, k, v, s32, True, window, q.shape[-1] ** -0.5, q_offset, ds)
 
 
 @layer_attention_forward.register_fake
-def _(q, k, v, window, sinks):
+def _(q, k, v, window, sinks, doc_start=None):
     B, Hq, Tq, D = q.shape
     return q.new_empty((B, Hq, Tq, D)), q.new_empty((B, Hq, Tq), dtype=torch.float32)
 
@@ -656,36 +769,41 @@ def _(q, k, v, window, sinks):
 @torch.library.custom_op("streamtrain::flash_attention_bwd", mutates_args=())
 def layer_attention_backward(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, window: Optional[int],
-                             sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                     torch.Tensor]:
+                             sinks: Optional[torch.Tensor], doc_start: Optional[torch.Tensor] = None
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks fp32 [Hq], or [0] without sinks) for `layer_attention_forward`."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     s32 = sinks.detach().float().contiguous() if sinks is not None else None
     dlse = dlse.float().contiguous() if dlse is not None else None
+    q_offset = k.shape[2] - q.shape[2]
+    ds = _check_docs(q, k, doc_start, True, q_offset) if doc_start is not None else None
     dq, dk, dv, dsinks = _backward(_last_dim_contiguous(dout), dlse, q, k, v, out, lse, s32, True, window,
-                                   q.shape[-1] ** -0.5, k.shape[2] - q.shape[2])
+                                   q.shape[-1] ** -0.5, q_offset, ds)
     return dq, dk, dv, dsinks if dsinks is not None else lse.new_empty((0,))
 
 
 @layer_attention_backward.register_fake
-def _(dout, dlse, q, k, v, out, lse, window, sinks):
+def _(dout, dlse, q, k, v, out, lse, window, sinks, doc_start=None):
     n_sinks = q.shape[1] if sinks is not None else 0
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), lse.new_empty((n_sinks,))
 
 
 def _layer_attention_setup(ctx, inputs, output):
-    q, k, v, window, sinks = inputs
+    q, k, v, window, sinks = inputs[:5]
+    doc_start = inputs[5] if len(inputs) > 5 else None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, doc_start)
     ctx.window = window
+    ctx.n_inputs = len(inputs)
 
 
 def _layer_attention_grad(ctx, dout, dlse):
-    q, k, v, out, lse, sinks = ctx.saved_tensors
+    q, k, v, out, lse, sinks, doc_start = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, dsinks = layer_attention_backward(dout, dlse, q, k, v, out, lse, ctx.window, sinks)
-    return dq, dk, dv, None, dsinks.to(sinks.dtype) if sinks is not None else None
+    dq, dk, dv, dsinks = layer_attention_backward(dout, dlse, q, k, v, out, lse, ctx.window, sinks, doc_start)
+    grads = (dq, dk, dv, None, dsinks.to(sinks.dtype) if sinks is not None else None, None)
+    return grads[:ctx.n_inputs]
 
 
 layer_attention_forward.register_autograd(_layer_attention_grad, setup_context=_layer_attention_setup)

@@ -127,7 +127,8 @@ def stochastic_round_reference(x: torch.Tensor, seed: int = 0, offset: int = 0,
 # They materialise the [B, Hq, Tq, Tk] scores: tests and small shapes only. Same semantics as the kernel: query
 # row i at key position p_i = q_offset + i (default Tk - Tq); key j visible iff j <= p_i (causal) and
 # j > p_i - window (window: HF / gpt-oss `sliding_window_overlay`); sinks [Hq] are extra logits with zero value
-# appended to each softmax row; GQA: query head j reads kv head j // (Hq // Hkv).
+# appended to each softmax row; GQA: query head j reads kv head j // (Hq // Hkv). Packed rows (doc_start [B, Tq],
+# engine/batch.py's `doc_start_BT`): key j is visible to query row i only if also j >= doc_start[b, i].
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -145,14 +146,26 @@ def attention_mask(Tq: int, Tk: int, causal: bool = True, window: int | None = N
     return mask
 
 
+def doc_attention_mask(doc_start: torch.Tensor, Tk: int | None = None, causal: bool = True,
+                       window: int | None = None, q_offset: int | None = None) -> torch.Tensor:
+    """Boolean [B, Tq, Tk] for packed rows: `attention_mask` and j >= doc_start[b, i] (doc_start int [B, Tq]).
+    With causal and Tq == Tk: query i sees key j iff doc_start[b, i] <= j <= i (and j > i - window)."""
+    B, Tq = doc_start.shape
+    Tk = Tq if Tk is None else Tk
+    j = torch.arange(Tk, device=doc_start.device)
+    docs = j[None, None, :] >= doc_start.long()[:, :, None]
+    return docs & attention_mask(Tq, Tk, causal, window, q_offset, device=doc_start.device)[None]
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                         window: int | None = None, sinks: torch.Tensor | None = None,
                         scale: float | None = None, q_offset: int | None = None,
-                        upcast: bool = True):
+                        upcast: bool = True, doc_start: torch.Tensor | None = None):
     """Returns (out [B, Hq, Tq, D] in q's dtype, lse [B, Hq, Tq] in the compute dtype).
 
     upcast=True computes in fp32 (fp64 for fp64 inputs); upcast=False computes every op in the input dtype
-    (PyTorch's own low-precision attention, the baseline of the tests' error rule). Differentiable."""
+    (PyTorch's own low-precision attention, the baseline of the tests' error rule). doc_start (int [B, Tq]): packed
+    rows, see `doc_attention_mask` (a row that sees no key: out 0, lse -inf, or the sink). Differentiable."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     scale = D ** -0.5 if scale is None else scale
@@ -162,7 +175,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
         kc = kc.repeat_interleave(Hq // Hkv, dim=1)
         vc = vc.repeat_interleave(Hq // Hkv, dim=1)
     s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
-    mask = attention_mask(Tq, Tk, causal, window, q_offset, device=q.device)
+    if doc_start is None:
+        mask = attention_mask(Tq, Tk, causal, window, q_offset, device=q.device)
+    else:
+        mask = doc_attention_mask(doc_start.to(q.device), Tk, causal, window, q_offset)[:, None]
     s = s.masked_fill(~mask, float("-inf"))
     if sinks is not None:
         sink_col = sinks.to(cdt).view(1, Hq, 1, 1).expand(B, Hq, Tq, 1)

@@ -254,6 +254,175 @@ def test_layer_op_compiles_into_one_graph(window, sinks):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# packed rows: document masking (doc_start)
+# Interpreter blocks: forward / dQ 32 queries x 16 keys, dK/dV 32 keys x 16 queries. The layouts put boundaries
+# inside and on block edges, documents of length 1, documents spanning several blocks, and one document per row.
+# ----------------------------------------------------------------------------------------------------------------
+
+def _doc_start(rows, T):
+    """int32 [len(rows), T] from each row's document lengths (summing to T)."""
+    out = []
+    for lens in rows:
+        assert sum(lens) == T
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        out.append(torch.cat([torch.full((n,), s0, dtype=torch.int32) for s0, n in zip(starts, lens)]))
+    ds = torch.stack(out)
+    A.check_doc_start(ds)
+    return ds
+
+
+ROWS53 = [[1, 20, 1, 31], [53], [5] * 10 + [3], [30, 23]]
+ROWS97 = [[40, 1, 56], [16, 16, 16, 16, 16, 17], [97]]
+
+# Hq, Hkv, T, rows, window, sinks, dtype
+DOC_CASES = [
+    (4, 2, 53, ROWS53, None, True, fp32),
+    (4, 2, 53, ROWS53, 7, True, fp32),
+    (4, 1, 53, ROWS53, None, False, bf16),
+    (6, 2, 53, ROWS53, 12, True, fp16),
+    (2, 2, 97, ROWS97, None, True, bf16),
+    (4, 2, 97, ROWS97, 20, False, fp32),
+]
+
+
+@pytest.mark.parametrize("case", DOC_CASES, ids=lambda c: f"h{c[0]}/{c[1]}-T{c[2]}-w{c[4]}-"
+                         f"{'sinks' if c[5] else 'nosink'}-{str(c[6]).split('.')[-1]}")
+def test_docs_match_reference(case):
+    """out, lse, dq, dk, dv (dsinks) with doc_start against the reference's doc mask, by the 2x rule."""
+    Hq, Hkv, T, rows, window, sinks, dtype = case
+    q, k, v, s, do = _inputs(len(rows), Hq, Hkv, T, 16, dtype, sinks)
+    _check_all(q, k, v, s, do, causal=True, window=window, doc_start=_doc_start(rows, T))
+
+
+@pytest.mark.parametrize("dtype, window", [(fp32, None), (bf16, 6)])
+def test_docs_packed_equals_per_document(dtype, window):
+    """A packed row through the kernel = each document's slice through the kernel on its own (doc_start=None),
+    concatenated: out, lse and all gradients (dsinks summed over the documents) by the 2x rule against the fp64
+    truth, and within fp32 rounding of each other in fp32."""
+    rows, T = [[1, 20, 1, 31], [30, 23]], 53
+    q, k, v, s, do = _inputs(len(rows), 4, 2, T, 16, dtype, sinks=True)
+    ds = _doc_start(rows, T)
+    out, lse, grads = _run(flash_attention_with_lse, q, k, v, s, do, causal=True, window=window, doc_start=ds)
+    sep = [torch.zeros_like(t) for t in (out, lse, *grads[:3])] + [torch.zeros_like(grads[3])]
+    for b, lens in enumerate(rows):
+        s0 = 0
+        for n in lens:
+            sl = (slice(b, b + 1), slice(None), slice(s0, s0 + n))
+            o, l, g = _run(flash_attention_with_lse, q[sl], k[sl], v[sl], s, do[sl], causal=True, window=window)
+            for acc, part in zip(sep[:5], (o, l, *g[:3])):
+                acc[sl] = part
+            sep[5] += g[3]
+            s0 += n
+    t_out, t_lse, t_grads = _run(attention_reference, q.double(), k.double(), v.double(), s.double(), do.double(),
+                                 causal=True, window=window, doc_start=ds)
+    atol = ATOL[dtype]
+    names = ["out", "lse", "dq", "dk", "dv", "dsinks"]
+    for name, got, t, base in zip(names, (out, lse, *grads), (t_out, t_lse, *t_grads), sep):
+        _check(name, got, t, base, atol * max(1.0, t.abs().max().item()) if name == "dsinks" else atol)
+        if dtype == fp32:
+            assert _err(got, base) <= 1e-5 * max(1.0, t.abs().max().item()), name
+
+
+def test_docs_single_document_is_bitwise_unpacked():
+    """doc_start = 0 everywhere (one document per row) runs the same blocks unmasked as doc_start=None: identical
+    bits (the unpacked path itself is the HAS_DOCS=False specialisation, i.e. the kernels as they were)."""
+    q, k, v, s, do = _inputs(2, 4, 2, 45, 16, bf16, sinks=True)
+    ds = torch.zeros(2, 45, dtype=torch.int32)
+    for window in (None, 7):
+        a = _run(flash_attention_with_lse, q, k, v, s, do, causal=True, window=window)
+        b = _run(flash_attention_with_lse, q, k, v, s, do, causal=True, window=window, doc_start=ds)
+        for x, y in zip([a[0], a[1], *a[2]], [b[0], b[1], *b[2]]):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.skipif(not A.INTERPRET, reason="the block layout below assumes the interpreter's fixed blocks")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the NaN rows the planted values legitimately reach
+def test_docs_skip_blocks_outside_the_document():
+    """Key blocks wholly before a query block's documents are never visited (forward, dQ), nor are query blocks
+    past the last query that sees a key block (dK/dV): NaN planted there stays out of the results (a visited but
+    masked block would spread it: 0 * NaN). Row: documents [0, 40) and [40, 90)."""
+    T, ds = 90, _doc_start([[40, 50]], 90)
+    q, k, v, s, do = _inputs(1, 2, 1, T, 16, fp32, sinks=True)
+    # forward / dQ: query block [64, 96) starts its key loop at doc_start 40 -> block 32: keys [0, 32) unseen
+    kn, vn = k.clone(), v.clone()
+    kn[:, :, :32] = float("nan")
+    vn[:, :, :32] = float("nan")
+    out, lse, grads = _run(flash_attention_with_lse, q, kn, vn, s, do, causal=True, doc_start=ds)
+    assert torch.isfinite(out[:, :, 64:]).all() and torch.isfinite(lse[:, :, 64:]).all()
+    assert torch.isfinite(grads[0][:, :, 64:]).all()
+    # dK/dV: key block [0, 32) is seen by queries < 40 only: query blocks from 48 on are never visited
+    qn, don = q.clone(), do.clone()
+    qn[:, :, 48:] = float("nan")
+    don[:, :, 48:] = float("nan")
+    out, lse, grads = _run(flash_attention_with_lse, qn, k, v, None, don, causal=True, doc_start=ds)
+    assert torch.isfinite(grads[1][:, :, :32]).all() and torch.isfinite(grads[2][:, :, :32]).all()
+    assert torch.isfinite(out[:, :, :48]).all()
+
+
+@pytest.mark.skipif(not A.INTERPRET, reason="fixed block configs exist under the interpreter only")
+@pytest.mark.parametrize("blocks", [(16, 16), (16, 32)], ids=["16x16", "m16-n32"])
+def test_docs_other_block_shapes(monkeypatch, blocks):
+    m, n = blocks
+    for name, (bm, bn) in [("fwd", (m, n)), ("dq", (m, n)), ("dkdv", (n, m))]:
+        monkeypatch.setitem(A._FIXED, name, dict(A._FIXED[name], BLOCK_M=bm, BLOCK_N=bn))
+    q, k, v, s, do = _inputs(2, 4, 2, 45, 16, fp32, sinks=True)
+    _check_all(q, k, v, s, do, causal=True, window=9, doc_start=_doc_start([[16, 1, 28], [3, 17, 25]], 45))
+
+
+def test_docs_lse_gradient():
+    """A loss on lse too, with documents."""
+    q, k, v, s, do = _inputs(2, 4, 2, 40, 16, fp32, sinks=True)
+    dlse = torch.randn(2, 4, 40, generator=torch.Generator().manual_seed(1))
+    _check_all(q, k, v, s, do, dlse=dlse, causal=True, doc_start=_doc_start([[7, 1, 32], [20, 20]], 40))
+
+
+@pytest.mark.parametrize("window, sinks", [(None, False), (7, True)])
+def test_docs_layer_op(window, sinks):
+    """The layer op with doc_start: one opaque node under torch.compile(fullgraph=True), bit-equal to eager and to
+    flash_attention_with_lse; opcheck validates the schema, fake implementation and autograd registration."""
+    torch.manual_seed(0)
+    B, Hq, Hkv, T, D = 2, 4, 2, 37, 16
+    q, k, v = (torch.randn(B, T, h, D).transpose(1, 2).requires_grad_() for h in (Hq, Hkv, Hkv))
+    s = torch.randn(Hq).requires_grad_() if sinks else None
+    ds = _doc_start([[10, 1, 26], [37]], T)
+    inputs = [t for t in (q, k, v, s) if t is not None]
+
+    def attend(q, k, v, s, ds):
+        return A.layer_attention_forward(q, k, v, window, s, ds)[0]
+
+    eager = attend(q, k, v, s, ds)
+    dout = torch.randn_like(eager)
+    grads = torch.autograd.grad(eager, inputs, dout)
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v, s, ds)
+    assert torch.equal(compiled, eager)
+    for got, want in zip(torch.autograd.grad(compiled, inputs, dout), grads):
+        assert torch.equal(got, want)
+    direct = flash_attention_with_lse(q, k, v, True, window, s, doc_start=ds)[0]
+    assert torch.equal(direct, eager)
+    torch.library.opcheck(A.layer_attention_forward, (q, k, v, window, s, ds),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_docs_rejects_bad_inputs():
+    q, k, v, _, _ = _inputs(2, 4, 2, 8, 16, fp32)
+    ds = torch.zeros(2, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="causal"):
+        flash_attention(q, k, v, causal=False, doc_start=ds)
+    with pytest.raises(ValueError, match="Tq == Tk"):
+        flash_attention(q[:, :, 3:], k, v, doc_start=ds[:, 3:])
+    with pytest.raises(ValueError, match="Tq == Tk"):
+        A.layer_attention_forward(q[:, :, 3:], k, v, None, None, ds[:, 3:])
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        flash_attention(q, k, v, doc_start=ds[:1])
+    with pytest.raises(ValueError, match="int32"):
+        flash_attention(q, k, v, doc_start=ds.float())
+    A.check_doc_start(torch.tensor([[0, 0, 2, 3, 3], [0, 1, 1, 1, 1]]))
+    for bad in ([[1, 1, 2]], [[0, 1, 0]], [[0, 0, 1]]):
+        with pytest.raises(ValueError, match="contiguous"):
+            A.check_doc_start(torch.tensor(bad))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # GPU: real shapes, the same 2x rule against SDPA's flash backend
 # ----------------------------------------------------------------------------------------------------------------
 
