@@ -224,13 +224,11 @@ def test_text_files_are_one_document_each(tmp_path, tokdir, tok):
     data = build_data(cfg(folder, tmp_path, name="text", tokenizer=tokdir, val_fraction=0.3), 64, seed=0,
                       model_vocab_size=1000)
     assert data.description["n_documents"] == 3
-    eos = tok.token_to_id("<|endoftext|>")
     assert data.description["n_tokens"] == sum(len(tok.encode(p.read_text(), add_special_tokens=False).ids) + 1
                                                for p in folder.iterdir())
     (folder / "d.parquet").write_bytes(b"")
     with pytest.raises(DataError, match="mixes formats"):
         build_data(cfg(folder, tmp_path, name="text", tokenizer=tokdir), 64, seed=0, model_vocab_size=1000)
-    assert eos is not None
 
 
 # ------------------------------------------------------------ refusals
@@ -239,7 +237,8 @@ def test_text_files_are_one_document_each(tmp_path, tokdir, tok):
 def test_bad_records_are_refused_naming_file_and_line(tmp_path, tokdir):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     bad_json = tmp_path / "bad.jsonl"
-    bad_json.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n" + '{"messages": [\n' + json.dumps(good) + "\n")
+    bad_json.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n" + '{"messages": [\n'
+                        + json.dumps(good) + "\n")
     with pytest.raises(DataError, match="not valid JSON") as e:
         build_data(cfg(bad_json, tmp_path, tokenizer=tokdir), 64, seed=0, model_vocab_size=1000)
     assert f"{bad_json}:3" in str(e.value)
@@ -308,3 +307,22 @@ def test_cache_hit_and_content_key(tmp_path, tokdir, capfd):
     b = build_data(cfg(chat, tmp_path, tokenizer=tokdir, val_fraction=0.3, loss_on="all"), 64, seed=0,
                    model_vocab_size=1000)
     assert a.description["cache_keys"] != b.description["cache_keys"]  # loss_on is part of the key
+
+
+def test_a_template_that_is_not_prefix_stable_is_refused_for_assistant_loss(tmp_path, tokdir):
+    """A template that renders a turn differently once later turns follow cannot locate the assistant tokens by
+    prefixes: refused naming the record, and usable with loss_on=all."""
+    import shutil
+
+    odd = tmp_path / "odd_tok"
+    shutil.copytree(tokdir, odd)
+    config = json.loads((odd / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace("message['content']",
+                                                              "message['content'] + ('.' if loop.last else '')")
+    (odd / "tokenizer_config.json").write_text(json.dumps(config))
+    path = write_jsonl(tmp_path / "c.jsonl", [MESSAGES] * 3)
+    with pytest.raises(DataError, match="not prefix-stable.*loss_on=all") as e:
+        build_data(cfg(path, tmp_path, tokenizer=odd), 128, seed=0, model_vocab_size=1000)
+    assert f"{path}:1" in str(e.value)
+    data = build_data(cfg(path, tmp_path, tokenizer=odd, loss_on="all"), 128, seed=0, model_vocab_size=1000)
+    assert data.description["n_documents"] == 3

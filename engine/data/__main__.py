@@ -1,4 +1,4 @@
-"""`python -m engine.data prepare --tokenizer tokenizer.json --out tokens.bin <files or dirs>` (engine/data/corpus.py)."""
+"""`python -m engine.data prepare --tokenizer tokenizer.json --out tokens.bin <files or dirs>`: see corpus.py."""
 
 import sys
 

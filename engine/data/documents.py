@@ -239,6 +239,9 @@ def tokenize_chat(tok: DocTokenizer, messages: List[dict], loss_on: str) -> Tupl
     """ids and counted flags of one conversation; raises ValueError (with the reason) if the template is not
     prefix-stable."""
     full = tok.render(messages, add_generation_prompt=False)
+    if loss_on == "all":
+        ids = tok.encode([full], add_special_tokens=False)[0]
+        return ids, [1] * len(ids)
     bounds = []  # (start prefix, end prefix) of each assistant turn, as rendered text
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
@@ -253,9 +256,7 @@ def tokenize_chat(tok: DocTokenizer, messages: List[dict], loss_on: str) -> Tupl
                                  "located; use data.loss_on=all or a template that renders earlier turns the same")
     encoded = tok.encode(texts, add_special_tokens=False)
     ids = encoded[0]
-    counted = [1 if loss_on == "all" else 0] * len(ids)
-    if loss_on == "all":
-        return ids, counted
+    counted = [0] * len(ids)
     for k, b in enumerate(bounds):
         start_ids, end_ids = encoded[1 + 2 * k], encoded[2 + 2 * k]
         for p in (start_ids, end_ids):
@@ -769,7 +770,6 @@ def load_documents(data_cfg, seq_len: int, seed: int, model_vocab_size: int, *,
         n_labels = _count_labels(data["counted"], doc_starts(lens), lens, docs, starts)
         stats[split] = dict(documents=int(len(docs)), tokens=n_tokens, labels=n_labels, documents_cut=n_cut,
                             rows=splits[split].n_rows, padding=splits[split].n_rows * seq_len - n_tokens)
-    tok_stats = {k: v for k, v in stats.items()}
     if val_path:
         fingerprint_parts = [keys["train"], keys["val"]]
     else:
@@ -786,7 +786,7 @@ def load_documents(data_cfg, seq_len: int, seed: int, model_vocab_size: int, *,
                        n_documents_cut=sum(s["documents_cut"] for s in stats.values()),
                        padding_share=round(1 - total_tokens / max(total_slots, 1), 6),
                        n_train_seqs=stats["train"]["rows"], n_val_seqs=stats["val"]["rows"],
-                       splits=tok_stats, fingerprint=fingerprint)
+                       splits=stats, fingerprint=fingerprint)
     for split in ("train", "val"):
         s = stats[split]
         _log(f"data={kind} {split}: {s['documents']:,} documents, {s['tokens']:,} tokens, "
