@@ -2,6 +2,7 @@
 
     python -m bench.bench_attention --out bench/results/attention.jsonl
     python -m bench.bench_attention --seq-lens 8192 32768 --cases qwen7b      # a subset
+    python -m bench.bench_attention --docs --doc-lens 512 2048 8192 --seq-lens 32768   # packed vs per-document
 
 Cases (B = 1, bf16, causal):
   qwen7b   Hq=28, Hkv=4, D=128 (Qwen2.5-7B)                       kernel and SDPA (flash backend, enable_gqa)
@@ -25,6 +26,15 @@ over the timed steps above. SDPA rows that run out of memory keep sdpa_* null an
 Rows (JSONL): bench case seq_len heads head_dim kernel_ms sdpa_ms kernel_tflops sdpa_tflops ratio
 kernel_peak_gib sdpa_peak_gib gpu torch triton git_sha date (+ batch kv_heads window sinks sdpa_note flops).
 ratio = sdpa_ms / kernel_ms (> 1: the kernel is faster). Total runtime on an H200: about 3-4 minutes.
+
+--docs (packed rows, bench "attention_docs"): a row of T tokens packed from documents of length L (`--doc-lens`;
+the last one takes the remainder), the same cases and the same fwd+bwd timing as above, three ways:
+  packed_ms     one call with doc_start (engine/batch.py's doc_start_BT): what the engine runs for packed rows
+  per_doc_ms    one call per document on its own leaves (q, k, v split beforehand, so no slicing in the timing)
+  full_ms       one causal call over the whole row, documents ignored (the cost packing without masks would pay)
+speedup = per_doc_ms / packed_ms (> 1: packing is faster); tflops credit only the per-document causal work
+(flops = sum over documents). max_err_out: max |packed - per-document| of the outputs (the same math, blocks
+aligned differently: bf16 rounding only).
 """
 
 from __future__ import annotations
@@ -106,6 +116,64 @@ def _measure(step, T):
     return ms, peak / 2**30
 
 
+def _doc_lengths(T, L):
+    n, rest = divmod(T, L)
+    return [L] * n + ([rest] if rest else [])
+
+
+def run_docs_case(name, T, L, meta):
+    """Packed row of documents of length L: one doc_start call vs one call per document vs plain causal."""
+    import torch
+
+    from streamtrain_kernels.attention import flash_attention
+
+    c = CASES[name]
+    B, H, Hkv, D = 1, c["heads"], c["kv_heads"], c["head_dim"]
+    lens = _doc_lengths(T, L)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    doc_start = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, n in zip(starts, lens)]).view(1, T).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    def mk(h, grad=False):
+        return torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(grad)
+    q, k, v = (mk(h, grad=True) for h in (H, Hkv, Hkv))
+    do = mk(H)
+    sinks = torch.randn(H, device="cuda", generator=g).requires_grad_() if c["sinks"] else None
+    flops = 3.5 * sum(fwd_flops(B, H, n, D, c["window"]) for n in lens)
+    row = dict(bench="attention_docs", case=name, seq_len=T, doc_len=L, n_docs=len(lens), batch=B, heads=H,
+               kv_heads=Hkv, head_dim=D, window=c["window"], sinks=c["sinks"], causal=True, dtype="bf16", flops=flops)
+
+    def packed(q, k, v):
+        return flash_attention(q, k, v, causal=True, window=c["window"], sinks=sinks, doc_start=doc_start)
+
+    def full(q, k, v):
+        return flash_attention(q, k, v, causal=True, window=c["window"], sinks=sinks)
+
+    # per document: leaves of their own, so the timing holds the attention calls only
+    pieces = [tuple(t[:, :, s:s + n].detach().contiguous().requires_grad_(t.requires_grad) for t in (q, k, v, do))
+              for s, n in zip(starts, lens)]
+
+    def per_doc_step():
+        outs = [flash_attention(pq, pk, pv, causal=True, window=c["window"], sinks=sinks)
+                for pq, pk, pv, _ in pieces]
+        torch.autograd.grad(outs, [t for p in pieces for t in p[:3]], [p[3] for p in pieces])
+
+    with torch.no_grad():
+        ref = torch.cat([flash_attention(pq, pk, pv, causal=True, window=c["window"], sinks=sinks)
+                         for pq, pk, pv, _ in pieces], dim=2)
+        row["max_err_out"] = (packed(q, k, v).float() - ref.float()).abs().max().item()
+    ref = None
+    ms_p, peak_p = _measure(_step_fn(packed, q, k, v, do), T)
+    ms_d, peak_d = _measure(per_doc_step, T)
+    ms_f, _ = _measure(_step_fn(full, q, k, v, do), T)
+    row.update(packed_ms=ms_p, per_doc_ms=ms_d, full_ms=ms_f, speedup=ms_d / ms_p,
+               packed_tflops=flops / ms_p / 1e9, per_doc_tflops=flops / ms_d / 1e9,
+               packed_peak_gib=peak_p, per_doc_peak_gib=peak_d)
+    row.update(meta, date=dt.datetime.now().isoformat(timespec="seconds"))
+    q = k = v = do = pieces = None
+    torch.cuda.empty_cache()
+    return row
+
+
 def _sdpa_attn(gqa_native: bool, G: int):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -177,7 +245,13 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--layout", default="bhtd", choices=("bhtd", "bthd"),
                     help="inputs contiguous as [B, H, T, D], or [B, T, H, D] viewed as [B, H, T, D] (the layer's)")
+    ap.add_argument("--docs", action="store_true",
+                    help="packed rows: one doc_start call vs one call per document vs plain causal (see --doc-lens)")
+    ap.add_argument("--doc-lens", type=int, nargs="+", default=[512, 2048, 8192],
+                    help="document lengths of the --docs rows (each row: documents of one length, last one shorter)")
     args = ap.parse_args(argv)
+    if args.docs and min(args.doc_lens) < 1:
+        ap.error("--doc-lens must be >= 1")
 
     import torch
     if not torch.cuda.is_available():
@@ -194,6 +268,8 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rows = []
+    if args.docs:
+        return _main_docs(args, meta, out, t0)
     hdr = f"{'case':8s} {'T':>7s} {'kernel ms':>10s} {'TFLOP/s':>8s} {'GiB':>6s} {'sdpa ms':>10s} {'TFLOP/s':>8s} " \
           f"{'GiB':>6s} {'ratio':>6s}"
     print(hdr, flush=True)
@@ -209,6 +285,24 @@ def main(argv=None):
                   f"{f_(row['kernel_peak_gib']):>6s} {f_(row['sdpa_ms'], '.3f'):>10s} "
                   f"{f_(row['sdpa_tflops'], '.0f'):>8s} {f_(row['sdpa_peak_gib']):>6s} {f_(row['ratio']):>6s}"
                   + ("" if row["sdpa_ms"] is not None else f"   ({row.get('sdpa_note', '')})"), flush=True)
+    print(f"{len(rows)} rows -> {out}  ({time.time() - t0:.0f} s)")
+    return 0
+
+
+def _main_docs(args, meta, out, t0):
+    rows = []
+    print(f"{'case':8s} {'T':>7s} {'doc len':>7s} {'docs':>5s} {'packed ms':>10s} {'per-doc ms':>10s} "
+          f"{'full ms':>9s} {'speedup':>7s} {'TFLOP/s':>8s} {'err':>8s}", flush=True)
+    for name in args.cases:
+        for T in sorted(args.seq_lens):
+            for L in sorted(args.doc_lens):
+                row = run_docs_case(name, T, L, meta)
+                rows.append(row)
+                with out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(f"{name:8s} {T:7d} {L:7d} {row['n_docs']:5d} {row['packed_ms']:10.3f} {row['per_doc_ms']:10.3f} "
+                      f"{row['full_ms']:9.3f} {row['speedup']:7.2f} {row['packed_tflops']:8.0f} "
+                      f"{row['max_err_out']:8.2g}", flush=True)
     print(f"{len(rows)} rows -> {out}  ({time.time() - t0:.0f} s)")
     return 0
 

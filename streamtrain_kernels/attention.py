@@ -2,6 +2,7 @@
 
     out = flash_attention(q, k, v, causal=True, window=None, sinks=None, scale=None)
     out, lse = flash_attention_with_lse(q, k, v, ...)      # lse [B, Hq, Tq] fp32, natural log, sink included
+    out = flash_attention(q, k, v, doc_start=ds)            # packed rows: ds int32 [B, T], see "Documents"
     out, lse = merge_attention(out1, lse1, out2, lse2)      # combine attention over two disjoint KV chunks
 
 Shapes: q [B, Hq, Tq, D], k and v [B, Hkv, Tk, D] (any strides with the last dim contiguous, e.g. the
@@ -16,6 +17,30 @@ last query is aligned with the last key, the flash-attn convention; 0 when Tq ==
 so a causal window-W row sees exactly W keys including itself (fewer at the start). Without `causal` the window
 only bounds the past (the future stays visible). A row that sees no key returns 0 and lse = -inf (lse = sink
 with sinks), which `merge_attention` handles.
+
+Documents (packed rows). `doc_start` int32 [B, T] (engine/batch.py's `doc_start_BT`: for each position the index
+where its document begins; documents are contiguous runs, so doc_start never decreases along a row and
+doc_start[i] <= i) adds j >= doc_start[b, i] to the mask: query i sees doc_start[b, i] <= j <= i, and j > i - window
+with a window; sinks still apply to every row. A packed row then computes what each document computes alone
+(tests: packed = per-document slices). It needs causal=True and Tq == Tk with q_offset 0 (chunked attention over
+packed rows is refused with a ValueError). Its values are trusted, not read on the host (that would sync the GPU):
+`check_doc_start` validates a batch where wanted; an invalid one gives wrong numbers, never an out-of-bounds access.
+It is a constexpr specialisation (HAS_DOCS): doc_start=None compiles and runs exactly the kernels without it.
+  How: row i's lowest visible key becomes max(i - window + 1, doc_start[i]); both terms are non-decreasing in i, so
+a query block (forward, dQ) starts its key loop at its first row's bound (one scalar load) and its unmasked range
+at its last valid row's: key blocks wholly before the block's documents are never loaded. The rows that see key j
+are j <= i < min(j + window, doc_end[j]), doc_end[j] = the start of the next document (or T): the backward wrapper
+computes doc_end once per call (a suffix minimum over [B, T]: a few tiny torch ops, no sync, one int32 [B, T]
+temporary; the forward needs none), and a dK/dV key block stops its query loop at its last valid key's doc_end and
+runs unmasked up to its first key's. So blocks wholly inside one document and below the diagonal run unmasked,
+as before; only blocks touching a document start (plus the diagonal, window edge and ragged end as before) build
+the mask, at one int32 load per query row and a compare per tile.
+  Cost: each query block visits the keys from its first row's document start to its diagonal. With documents
+longer than the blocks (64-128 rows on the GPU) that is the per-document causal work plus, at each boundary, one
+block row over the previous document (the block straddling the boundary): about what separate per-document calls
+cost, in one launch and without their padding or launch overhead. With documents shorter than a block, a block
+spanning several documents also visits (masked) the keys of its earlier documents: towards BLOCK_M x (BLOCK_M +
+previous document) per block, still far below causal attention over the whole row.
 
 Sinks (gpt-oss): `sinks` fp32 [Hq] is an extra logit per head in every softmax row with a zero value vector:
 p = softmax([s_i1..s_iT, sink_h]), out_i = sum_j p_ij v_j, lse_i = log(sum_j exp(s_ij) + exp(sink_h)).
@@ -743,7 +768,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 # with a fake (shape-only) implementation each and the backward registered as the forward's autograd formula.
 # torch.compile then keeps the whole layer in one graph with the kernel as an opaque node: it fuses the RoPE and
 # layout work around it and its partitioner decides what the backward saves, where `torch.compiler.disable` split
-# the layer into two graphs with eager code between them.
+# the layer into two graphs with eager code between them. Packed rows pass doc_start (int32 [B, T]) as one more
+# optional tensor input of both ops (not differentiable; Tq == Tk required); the ops stay single opaque nodes.
 
 @torch.library.custom_op("streamtrain::flash_attention_fwd", mutates_args=())
 def layer_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
