@@ -27,7 +27,7 @@ from engine.report import run_row
 ROOT = Path(__file__).resolve().parent.parent
 
 SEQ = "train.seq_len=4096"
-THROUGHPUT = ["train=throughput", "data=stdlib"]
+THROUGHPUT = ["train=bench", "data=stdlib"]
 
 GRIDS = {
     # a few seconds per job: checks that every engine path runs on this machine
@@ -126,8 +126,8 @@ GRIDS = {
     ],
     # full-depth qwen14b and qwen32b in bf16 master + int8 moments + bf16 gradients (conf/experiment)
     "capacity_bf16_int8": [
-        ("qwen14b-stream-64k-bf16-int8", ["+experiment=qwen14b_h200", "data=stdlib", "train.steps=5"]),
-        ("qwen32b-stream-16k-bf16-int8", ["+experiment=qwen32b_h200", "data=stdlib", "train.steps=5"]),
+        ("qwen14b-stream-64k-bf16-int8", ["experiment=bench_qwen14b_h200", "data=stdlib", "train.steps=5"]),
+        ("qwen32b-stream-16k-bf16-int8", ["experiment=bench_qwen32b_h200", "data=stdlib", "train.steps=5"]),
     ],
     # qwen7b, one sequence per step, the Triton attention (train.attention=auto) and SDPA side by side
     "context_attention": [
@@ -154,20 +154,20 @@ GRIDS = {
     # MoE through the streaming engine (conf/experiment): gpt-oss-120b at its width (4 of 36 layers),
     # gpt-oss-20b and Qwen3-30B-A3B at full depth; eager first (the compiled MoE layer is unmeasured on a GPU)
     "moe": [
-        (f"{name}-stream-16k{suffix}", [f"+experiment={experiment}", "data=stdlib", "train.steps=4", *extra])
-        for name, experiment in [("gptoss120b-4l", "gptoss120b_4l_h200"), ("gptoss20b", "gptoss20b_h200"),
-                                 ("qwen3-30b-a3b", "qwen3_30b_a3b_h200")]
+        (f"{name}-stream-16k{suffix}", [f"experiment={experiment}", "data=stdlib", "train.steps=4", *extra])
+        for name, experiment in [("gptoss120b-4l", "bench_gptoss120b_4l_h200"), ("gptoss20b", "bench_gptoss20b_h200"),
+                                 ("qwen3-30b-a3b", "bench_qwen3_30b_a3b_h200")]
         for suffix, extra in [("-eager", ["train.compile=off"]), ("-compiled", ["train.compile=on"])]
     ],
     # qwen14b in fp32 at full depth with the moments of 18 layers in the NVMe tier (/tmp on the device)
     "nvme_qwen14b": [
-        ("qwen14b-stream-64k-fp32-nvme", ["+experiment=qwen14b_fp32_nvme_h200", "hardware.nvme_dir=/tmp/nvme",
+        ("qwen14b-stream-64k-fp32-nvme", ["experiment=bench_qwen14b_fp32_nvme_h200", "hardware.nvme_dir=/tmp/nvme",
                                           "data=stdlib", "train.steps=3"]),
     ],
     # the NVMe tier's cost on a model the host holds: qwen7b in fp32, the same run with the moments of 0
     # and of 4 host-updated layers on disk (fits an H100 as well as the H200)
     "nvme_vs_ram": [
-        (f"qwen7b-stream-64k-nvme{n}", ["+experiment=qwen7b_stream_64k", "data=stdlib", "train.steps=6",
+        (f"qwen7b-stream-64k-nvme{n}", ["experiment=bench_qwen7b_stream_64k", "data=stdlib", "train.steps=6",
                                         "hardware.nvme_dir=/tmp/nvme", "hardware.nvme_gib=60",
                                         "hardware.nvme_gbps=2.0", f"engine.nvme_units={n}"])
         for n in (0, 4)

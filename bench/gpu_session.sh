@@ -230,7 +230,7 @@ stage ctxsweep 'qwen7b from 4K to 256K, one sequence per step (SWEEP_ONLY: lengt
      --png $OUT/context_sweep.png
    pack sweep_rundirs.tgz /tmp/bench "qwen7b-stream-sweep*"'
 stage ctx512 'qwen7b at 512K (H200), started in a process session of its own: then ctx512wait' \
-  'train_detached ctx512k +experiment=qwen7b_512k_h200 logger=none'
+  'train_detached ctx512k experiment=bench_qwen7b_512k_h200 logger=none'
 stage ctx512wait 'waits WAIT_S for ctx512'"'"'s run, then copies its log and records (call again until it ends)' \
   'await_detached ctx512k ${WAIT_S:-500}'
 stage moe 'MoE GPU tests, then the eager MoE jobs' \
@@ -250,7 +250,7 @@ stage nvme 'the disk alone, then qwen14b fp32 with moments in the NVMe tier (H20
    grid 440 420 nvme_qwen14b'
 stage nvmerun 'the qwen14b fp32 NVMe job alone, its run dir'"'"'s records back (NVME_S: its time limit; H200)' \
   'run mkdir -p /tmp/nvme /tmp/bench
-   train ${NVME_S:-520} qwen14b_nvme.log +experiment=qwen14b_fp32_nvme_h200 hardware.nvme_dir=/tmp/nvme \
+   train ${NVME_S:-520} qwen14b_nvme.log experiment=bench_qwen14b_fp32_nvme_h200 hardware.nvme_dir=/tmp/nvme \
      data=stdlib train.steps=3 logger=none hydra.run.dir=/tmp/bench/qwen14b-nvme
    collect . /tmp/bench/qwen14b-nvme/metrics.jsonl /tmp/bench/qwen14b-nvme/summary.json'
 stage nvmeab 'the disk alone, then qwen7b fp32 with the moments of 0 and 4 layers on disk' \

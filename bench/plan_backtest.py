@@ -8,7 +8,8 @@ of the card it ran on (its `gpu` name mapped as `hardware=auto` maps it) unless 
 as `python train.py ... plan=true` plans it. Printed per row: the measured step, the plan the row carried from its
 own run (`plan_step_s`, where it has one), today's plan and its error, the forward and backward phases, the GPU
 peak (tensor memory) and the host peak (the process and torch.compile's workers), measured and planned; a row
-whose overrides no longer compose is listed as skipped, with the reason. The rows come from older commits, so a
+whose overrides no longer compose is listed as skipped, with the reason (the renamed `train=throughput` and
+`+experiment=<name>` are read as today's `train=bench` and `experiment=bench_<name>`). The rows come from older commits, so a
 gap can be the engine's change as well as the planner's: the use is comparing a planner change on the same rows
 before and after it. `--jsonl` writes the table's rows. No GPU needed.
 """
@@ -28,6 +29,21 @@ PLACEMENT_KEYS = ("slots", "keep_activation_layers", "recompute_group", "activat
                   "cache_weights", "gpu_resident_units", "gpu_streamed_units", "nvme_units")
 
 
+def current_spelling(overrides) -> list:
+    """A row's overrides in today's spelling: `train=throughput` became `train=bench` and `+experiment=<name>` the
+    `experiment=bench_<name>` recipe (the learning rate and warm-up they changed do not enter a plan)."""
+    out = []
+    for o in overrides:
+        if o == "train=throughput":
+            o = "train=bench"
+        elif o.startswith("+experiment="):
+            name = o.split("=", 1)[1]
+            bench = f"bench_{name}"
+            o = f"experiment={bench if (ROOT / 'conf' / 'experiment' / f'{bench}.yaml').exists() else name}"
+        out.append(o)
+    return out
+
+
 def replan(row: dict):
     """The current planner's MemoryPlan for a measured row, or the reason it cannot be re-planned."""
     from hydra import compose, initialize_config_dir
@@ -37,7 +53,7 @@ def replan(row: dict):
     from engine.model import ModelSpec
     from engine.plan import build_plan
 
-    overrides = list(row.get("overrides") or [])
+    overrides = current_spelling(row.get("overrides") or [])
     if any(o.startswith("nproc=") for o in overrides):
         return "data-parallel row"
     profile = profile_for_gpu(row.get("gpu", ""))

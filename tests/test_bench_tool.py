@@ -47,7 +47,7 @@ def check_command(argv):
         assert paths and all((ROOT / p).exists() for p in paths), paths
     if "train.py" in argv:
         for arg in argv:
-            group = re.match(r"\+(experiment|sweep)=(\w+)$", arg)
+            group = re.match(r"\+?(experiment|sweep)=(\w+)$", arg)
             if group:
                 assert (ROOT / "conf" / group[1] / f"{group[2]}.yaml").exists(), arg
 

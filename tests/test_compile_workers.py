@@ -31,8 +31,10 @@ def _process_row(plan) -> int:
 
 
 def _qwen7b(overrides, host_gib):
-    cfg = make_cfg(["model=qwen7b", "engine=stream", "hardware=h100", "train=throughput", "train.seq_len=4096",
-                    "train.micro_batch_size=1", "train.grad_accum=16", "train.compile=on", "plan=true", *overrides])
+    cfg = make_cfg(["model=qwen7b", "engine=stream", "hardware=h100", "train=bench", "train.seq_len=4096",
+                    "train.micro_batch_size=1", "train.grad_accum=16", "train.compile=on", "plan=true",
+                    # fp32 state, as these figures are: `auto` would take a smaller format that fits
+                    "train.master_dtype=fp32", "train.moments_dtype=fp32", "train.grad_dtype=fp32", *overrides])
     return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=78.5, host_gib=host_gib, on_gpu=True)
 
 

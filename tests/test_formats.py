@@ -32,7 +32,7 @@ def test_every_format_is_listed_once_the_most_precise_first():
 
 
 def _plan(overrides, model="qwen7b", check=False, on_gpu=True):
-    cfg = make_cfg([f"model={model}", "engine=stream", "hardware=h200", "train=throughput", "train.seq_len=4096",
+    cfg = make_cfg([f"model={model}", "engine=stream", "hardware=h200", "train=bench", "train.seq_len=4096",
                     "plan=true", *overrides])
     return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=on_gpu, check=check)
 

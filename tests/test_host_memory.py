@@ -96,7 +96,7 @@ def measured(monkeypatch):
 
 
 def test_a_plan_for_another_machines_profile_uses_that_profiles_host(measured, tmp_path, capsys):
-    tr = Trainer(make_cfg(["model=qwen7b", "engine=stream", "train=throughput", "hardware=h200", "plan=true"]),
+    tr = Trainer(make_cfg(["model=qwen7b", "engine=stream", "train=bench", "hardware=h200", "plan=true"]),
                  tmp_path)
     assert tr.plan.limits_gib["host"] == 125.0
     assert "profile_host_mem_gib of hardware=h200" in tr.plan.host_source
@@ -140,7 +140,7 @@ def test_a_data_parallel_rank_plans_with_its_share_and_the_budget_travels_whole(
 
 def test_a_host_refusal_names_the_knob_and_the_figure_planned_with(measured, tmp_path):
     """fp32 streaming of a 14B model on a 125 GiB host is refused; the text says how to plan for the host it has."""
-    cfg = make_cfg(["model=qwen14b", "engine=stream", "train=throughput", "hardware=h200", "plan=true"])
+    cfg = make_cfg(["model=qwen14b", "engine=stream", "train=bench", "hardware=h200", "plan=true"])
     with pytest.raises(PlanError) as err:
         Trainer(cfg, tmp_path).run()
     text = str(err.value)
@@ -148,7 +148,7 @@ def test_a_host_refusal_names_the_knob_and_the_figure_planned_with(measured, tmp
            "hardware.profile_host_mem_gib of hardware=h200" in text
     assert "train.micro_batch_size" in text  # the existing suggestions stay
     assert "hardware.gpu_mem_cap_gib" not in text
-    fits = make_cfg(["model=qwen14b", "engine=stream", "train=throughput", "hardware=h200", "plan=true",
+    fits = make_cfg(["model=qwen14b", "engine=stream", "train=bench", "hardware=h200", "plan=true",
                      "hardware.host_mem_gib=1024"])
     assert not build_plan(ModelSpec(fits.model), fits, 139.0, hardware.host_budget(fits), on_gpu=True,
                           check=False).problem()

@@ -9,7 +9,7 @@ from engine.model import ModelSpec
 from engine.plan import build_plan
 from tests.util import make_cfg
 
-OVERRIDES = ["model=qwen7b", "engine=stream", "train=throughput", "train.seq_len=4096", "train.micro_batch_size=2",
+OVERRIDES = ["model=qwen7b", "engine=stream", "train=bench", "train.seq_len=4096", "train.micro_batch_size=2",
              "train.grad_accum=8"]
 PLACEMENT = {"slots": 2, "keep_activation_layers": 4, "recompute_group": 1, "activation_tier": "gpu",
              "grads_tier": "host", "cache_weights": "on", "gpu_resident_units": 4, "gpu_streamed_units": 12,

@@ -14,7 +14,7 @@ from tests.util import make_cfg
 
 # the Triton attention (SDPA's GQA backward would add 14 GiB of expanded K/V at this length, plan.layer_working_bytes)
 # and a fixed process figure (h200.yaml's counts torch.compile's workers: fp32 state at 512K then fits no group)
-LONG = ["model=qwen7b", "engine=stream", "hardware=h200", "train=throughput", "train.micro_batch_size=1",
+LONG = ["model=qwen7b", "engine=stream", "hardware=h200", "train=bench", "train.micro_batch_size=1",
         "train.grad_accum=1", "train.seq_len=524288", "model.max_position_embeddings=524288", "train.attention=triton",
         "hardware.host_process_gib=1.83", "plan=true"]
 SMALL_STATE = ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=bf16"]
@@ -38,7 +38,7 @@ def _layer_input_bytes():
 def test_a_plan_that_fits_keeps_every_input_as_before():
     """qwen7b at 64K tokens/step fits with every input kept: g = 1, no regenerated row, one input per recomputed
     layer, and the same plan as asking for 1."""
-    base = ["model=qwen7b", "engine=stream", "hardware=h200", "train=throughput", "train.seq_len=4096",
+    base = ["model=qwen7b", "engine=stream", "hardware=h200", "train=bench", "train.seq_len=4096",
             "train.micro_batch_size=2", "train.grad_accum=8", "plan=true"]
     auto, one = _plan([], base=base), _plan(["engine.recompute_group=1"], base=base)
     assert auto.placement.recompute_group == 1 and not auto.problem()
