@@ -1,9 +1,9 @@
 """A tiny Hugging Face tokenizer directory, built in-process with no network: for the text/chat data tests, and for
 tiny HF model checkpoints (put a config.json and model.safetensors next to it).
 
-`write_tiny_tokenizer(dir)` trains a byte-level BPE tokenizer (the Qwen2/GPT-2 family's scheme, so any text encodes)
-on a little English and chat text, with the special tokens `<|endoftext|>` (id 0), `<|im_start|>` (1) and
-`<|im_end|>` (2), and writes:
+`write_tiny_tokenizer(dir)` trains, with the quickstart's `engine.quickstart.write_tokenizer`, a byte-level BPE
+tokenizer (the Qwen2/GPT-2 family's scheme, so any text encodes) on a little English and chat text, with the special
+tokens `<|endoftext|>` (id 0), `<|im_start|>` (1) and `<|im_end|>` (2), and writes:
 
 - tokenizer.json: the `tokenizers` file;
 - tokenizer_config.json: `eos_token` "<|endoftext|>" (as Qwen2.5's base models), `pad_token`, `bos_token` null, and
@@ -13,20 +13,11 @@ on a little English and chat text, with the special tokens `<|endoftext|>` (id 0
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-EOS = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (EOS, IM_START, IM_END)
+from engine.quickstart import CHATML_TEMPLATE, EOS, IM_END, IM_START, SPECIAL_TOKENS, write_tokenizer
 
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+__all__ = ["CHATML_TEMPLATE", "EOS", "IM_END", "IM_START", "SPECIAL_TOKENS", "TRAINING_TEXT", "write_tiny_tokenizer"]
 
 TRAINING_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -43,20 +34,4 @@ def write_tiny_tokenizer(dir: str | Path, vocab_size: int = 384) -> Path:
     `vocab_size` (>= 259: the 256 byte symbols and the 3 special tokens) bounds the BPE vocabulary; the merges the
     training text supports stop it earlier, so read the real size from the tokenizer. Deterministic: the same
     arguments write the same files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size={vocab_size} must be >= {256 + len(SPECIAL_TOKENS)}")
-    out = Path(dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TRAINING_TEXT * 4, trainer)
-    tok.save(str(out / "tokenizer.json"))
-    config = dict(tokenizer_class="PreTrainedTokenizerFast", eos_token=EOS, pad_token=EOS, bos_token=None,
-                  unk_token=None, model_max_length=32768, chat_template=CHATML_TEMPLATE)
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
-    return out
+    return write_tokenizer(dir, TRAINING_TEXT * 4, vocab_size)
