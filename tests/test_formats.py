@@ -69,7 +69,8 @@ def test_qwen32b_is_refused_with_the_formats_that_fit():
     """The default recipe needs ~400 GiB of host for qwen32b; the refusal names the formats with which the plan fits
     the H200 box, with their totals, and those plans do fit."""
     with pytest.raises(PlanError) as e:
-        _plan(["train.micro_batch_size=2", "train.grad_accum=2"], model="qwen32b", check=True)
+        _plan(["train.micro_batch_size=2", "train.grad_accum=2", "train.master_dtype=fp32", "train.moments_dtype=fp32",
+               "train.grad_dtype=fp32"], model="qwen32b", check=True)
     message = str(e.value)
     assert "fits with train.master_dtype=bf16 train.moments_dtype=int8 train.grad_dtype=bf16" in message
     assert "train.master_dtype=fp32 train.moments_dtype=fp32" not in message.split("Smaller training-state")[1]
