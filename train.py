@@ -9,7 +9,7 @@ message naming the key and what would be valid; genuine crashes of training keep
   each key against the schema dataclasses: a key the schema does not know is refused whatever its syntax (`key=`,
   `+key=`, `++key=`), naming it and listing the valid keys of its section, and so is a renamed key; every value
   (each value of a sweep, so a multirun refuses a bad value before its first job) must convert to the field's type,
-  as omegaconf converts it when composing. Config group choices (`model=...`, `+experiment=...`) and `hydra.*`
+  as omegaconf converts it when composing. Config group choices (`model=...`, `experiment=...`) and `hydra.*`
   keys are Hydra's to check.
 - Anything Hydra itself refuses while composing (an unknown group option, with the options listed; a broken yaml
   file): HYDRA_FULL_ERROR=1 makes Hydra raise its errors instead of printing them and exiting 1, and the

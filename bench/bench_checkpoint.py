@@ -93,7 +93,7 @@ class RandomSource:
     """Random weights of the model's shape in the export dtype, one tensor at a time (norms 1, biases 0)."""
 
     def __init__(self, spec, dtype: torch.dtype, seed: int = 0):
-        self.spec, self.dtype, self.seed, self.init = spec, dtype, seed, "random"
+        self.spec, self.dtype, self.seed, self.tokenizer_dir = spec, dtype, seed, None
 
     def unit_master(self, index: int):
         unit = self.spec.units[index]

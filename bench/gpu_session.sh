@@ -229,6 +229,18 @@ stage ctxsweep 'qwen7b from 4K to 256K, one sequence per step (SWEEP_ONLY: lengt
    py 300 engine.report /tmp/bench/qwen7b-stream-sweep*/ --jsonl $OUT/context_sweep.jsonl \
      --png $OUT/context_sweep.png
    pack sweep_rundirs.tgz /tmp/bench "qwen7b-stream-sweep*"'
+stage finetune7b 'qwen7b fine-tuned with the defaults from an HF checkpoint written here, on a chat jsonl' \
+  'py 300 engine.quickstart --model qwen7b --out /tmp/ft --records 3000
+   train 560 finetune7b.log experiment=finetune_qwen7b_$(gpu_card) model.init=hf:/tmp/ft/qwen7b \
+     data.path=/tmp/ft/chat.jsonl train.steps=4 train.val_every=2 train.export_hf=false logger=none \
+     hydra.run.dir=/tmp/bench/finetune7b
+   collect finetune7b /tmp/bench/finetune7b/summary.json /tmp/bench/finetune7b/metrics.jsonl'
+stage qwen32b 'python train.py model=qwen32b with the defaults, 3 steps (an H200: the H100 host cannot hold it)' \
+  'train 590 qwen32b_defaults.log model=qwen32b train.steps=3 logger=none hydra.run.dir=/tmp/bench/qwen32b
+   collect qwen32b /tmp/bench/qwen32b/summary.json /tmp/bench/qwen32b/metrics.jsonl'
+stage packedattn 'document masking in the Triton attention: GPU tests, then packed rows against per-document calls' \
+  'gpu_tests gpu_attention_tests.log 300 tests/kernels/test_attention.py
+   bench 300 bench_attention --docs --doc-lens 512 2048 8192 --out $OUT/attention_docs.jsonl'
 stage ctx512 'qwen7b at 512K (H200), started in a process session of its own: then ctx512wait' \
   'train_detached ctx512k experiment=bench_qwen7b_512k_h200 logger=none'
 stage ctx512wait 'waits WAIT_S for ctx512'"'"'s run, then copies its log and records (call again until it ends)' \

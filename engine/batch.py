@@ -19,7 +19,7 @@ lets packing waste no tokens on padding without changing what the model learns (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -59,3 +59,17 @@ class Batch:
             return None
         T = self.ids_BT.shape[1]
         return torch.arange(T, device=self.ids_BT.device, dtype=torch.int32) - self.doc_start_BT
+
+
+def loss_tokens(batches: Sequence[Batch], dp=None) -> int:
+    """The positions counted in the loss over a step's micro-batches, summed over the data-parallel ranks of `dp`
+    (engine/distributed.py) when given: the divisor that makes a step's loss the mean over counted tokens. Raises
+    ValueError when none counts (a step of prompts only would otherwise divide by zero)."""
+    n = sum(b.loss_tokens() for b in batches)
+    if dp is not None:
+        n = dp.sum_over_ranks(n)
+    if n == 0:
+        raise ValueError(f"none of the {sum(b.tokens for b in batches)} tokens of these micro-batches is counted in "
+                         "the loss (every label is -100): with data=chat, check that the records have assistant "
+                         "turns, or use data.loss_on=all")
+    return n

@@ -360,7 +360,7 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
     x = torch.randn(B, T, D, generator=gen).to(device)  # the residual stream is fp32, as the fp32 embedding makes it
     dy = torch.randn(B, T, D, generator=gen).to(device)
     labels = torch.randint(0, spec.arch.vocab, (B, T), generator=gen).to(device)
-    rope = spec.rope(T, device)
+    rope = spec.positions(T, device)
     layer_p = bind_unit(spec, spec.units[1], device, compute_dtype, leaf=True)
     head_p = {} if moe else bind_unit(spec, spec.units[-1], device, compute_dtype, leaf=True)
     head_names = list(head_p)

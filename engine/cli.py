@@ -18,6 +18,13 @@ from engine.config import CONF_DIR, ConfigError, check_overrides, register
 
 def cli() -> None:
     """`python train.py ...` and the `streamtrain-train` console script (train.py's docstring has the design)."""
+    argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:  # the schema's own field docs (Hydra's help: --hydra-help)
+        from engine.schema_help import help_text
+
+        after = argv[argv.index("--help" if "--help" in argv else "-h") + 1:]
+        print(help_text(after[0] if after and "=" not in after[0] else None))
+        return
     # Fewer, growable segments: the streamed engine's long-lived buffers and per-layer temporaries fragment the
     # default allocator's fixed-size segments (seen as GiBs "reserved but unallocated" at OOM on the H200).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

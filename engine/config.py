@@ -8,7 +8,7 @@ be compared and written back.
 
 Defaults live here and only here: the dataclass defaults are the values of the default job (`python train.py`, the
 tiny model on CPU), and a group file holds only what its option changes (a model's published sizes, a hardware
-profile's figures, `conf/train/throughput.yaml`'s benchmark recipe).
+profile's figures, `conf/train/bench.yaml`'s benchmark recipe).
 
 Two functions refuse what the schema's types cannot:
 - `check_overrides` reads the command line before Hydra composes anything. It refuses a key the schema does not know
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -75,40 +76,42 @@ def one_of(default: Any, allowed: tuple) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
-    model_type: str = one_of(MISSING, MODEL_TYPES)
-    hidden_size: int = MISSING
-    intermediate_size: int = MISSING
-    num_hidden_layers: int = MISSING
-    num_attention_heads: int = MISSING
-    num_key_value_heads: int = MISSING
+    name: str = MISSING  # the name runs and logs use (conf/model/<name>.yaml sets it)
+    model_type: str = one_of(MISSING, MODEL_TYPES)  # the HF architecture family, which fixes the layer template
+    hidden_size: int = MISSING  # width of the residual stream
+    intermediate_size: int = MISSING  # width of the dense MLP (gpt-oss: of each expert)
+    num_hidden_layers: int = MISSING  # decoder layers; lower it for a depth-truncated copy of a published model
+    num_attention_heads: int = MISSING  # query heads
+    num_key_value_heads: int = MISSING  # key/value heads (grouped-query attention: a divisor of the query heads)
     head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
-    vocab_size: int = MISSING
-    max_position_embeddings: int = MISSING
-    rope_theta: float = 10000.0
+    vocab_size: int = MISSING  # rows of the embedding and the LM head
+    max_position_embeddings: int = MISSING  # the longest train.seq_len the model accepts
+    rope_theta: float = 10000.0  # rotary embedding base
     # null or {rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}.
     # Typed Any because omegaconf cannot merge an override dict into a null Optional[Dict] node.
     rope_scaling: Any = None
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    tie_word_embeddings: bool = False  # the LM head reuses the embedding matrix
     qkv_bias: bool = False  # Qwen2/Qwen2.5: q, k, v projections carry a bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     attention_bias: bool = False  # gpt-oss: q, k, v and o projections carry a bias
     # Mixture of experts (model_type qwen3_moe or gpt_oss; engine/model/moe.py). 0 experts: a dense model.
     num_experts: int = 0  # HF: num_experts (Qwen3-MoE), num_local_experts (gpt-oss)
-    num_experts_per_tok: int = 0
+    num_experts_per_tok: int = 0  # MoE: experts each token is routed to (top-k)
     moe_intermediate_size: Optional[int] = None  # per-expert MLP width (gpt-oss: intermediate_size)
     norm_topk_prob: bool = True  # Qwen3-MoE: renormalise the top-k softmax probabilities to sum to 1
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the training loss
     swiglu_limit: Optional[float] = None  # gpt-oss: clamp of the expert SwiGLU's gate (above) and up (both sides)
     sliding_window: Optional[int] = None  # keys seen per query on "sliding_attention" layers
     layer_types: Optional[List[str]] = None  # per layer: full_attention | sliding_attention; None: all full
-    hidden_act: str = one_of("silu", ("silu",))
-    bos_token_id: Optional[int] = None
-    eos_token_id: Optional[int] = None
+    hidden_act: str = one_of("silu", ("silu",))  # the MLP activation (SwiGLU's)
+    bos_token_id: Optional[int] = None  # written to an export's generation_config.json
+    eos_token_id: Optional[int] = None  # written to an export's generation_config.json
     expected_params: Optional[int] = None  # published parameter count, checked against the built layout
-    init: str = "random"  # "random" | "hf:<dir>": weights from an HF checkpoint dir (config.json + *.safetensors)
-    init_std: float = 0.02
+    # "random" | "hf:<dir>": weights from an HF checkpoint dir (config.json + *.safetensors) | "hf:<org>/<name>": a
+    # Hugging Face Hub id, from the local cache (downloaded when online and not cached)
+    init: str = "random"
+    init_std: float = 0.02  # standard deviation of random matrix initialisation
 
 
 @dataclass
@@ -117,24 +120,25 @@ class TrainConfig:
     global-norm clipping, linear warmup then cosine decay. Sized so the default tiny job trains in minutes on 2
     cores."""
 
-    steps: int = 150
-    seq_len: int = 256
-    micro_batch_size: int = 16
+    steps: int = 150  # optimizer steps of the run (the LR schedule's length; train.resume may extend it)
+    seq_len: int = 256  # tokens per sequence (packed data: per row)
+    micro_batch_size: int = 16  # sequences per micro-batch (one forward and backward)
     grad_accum: int = 1  # micro-batches per optimizer step
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # linear warm-up from lr / warmup_steps to lr
     weight_decay: float = 0.1  # applied to matrices (2-D parameters) only
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # global-norm clipping; 0 disables it
-    # training-state formats (engine/formats.py): fp32 everywhere is exact; the others are updated on the GPU
-    master_dtype: str = one_of("fp32", formats.MASTER_DTYPES)  # bf16: stochastic rounding
+    # training-state formats (engine/formats.py): fp32 everywhere is exact; the others are updated on the GPU. auto:
+    # the most precise format (among those the set fields allow) with which the run fits this machine
+    master_dtype: str = one_of("auto", (formats.AUTO, *formats.MASTER_DTYPES))  # bf16: stochastic rounding
     # bf16: stochastic rounding; int8: blockwise 8-bit floats + fp32 scales
-    moments_dtype: str = one_of("fp32", formats.MOMENTS_DTYPES)
+    moments_dtype: str = one_of("auto", (formats.AUTO, *formats.MOMENTS_DTYPES))
     # bf16 (stochastic rounding): the gradients held until the global norm is known
-    grad_dtype: str = one_of("fp32", formats.GRAD_DTYPES)
+    grad_dtype: str = one_of("auto", (formats.AUTO, *formats.GRAD_DTYPES))
     # fp32 | bf16: the dtype the host-updated units' gradients cross PCIe in (engine=stream, exact fp32 state only);
     # bf16 rounds them stochastically on the GPU (seeded per run, unit and step) and halves their host buffers
     grad_transfer_dtype: str = one_of("fp32", ("fp32", "bf16"))
@@ -163,10 +167,14 @@ class TrainConfig:
     # the MLP block in token chunks, each recomputed in the backward (engine/model/dense.py): -1 auto (32K-token chunks
     # when a micro-batch holds more than 64K tokens), 0 off, N tokens per chunk
     mlp_chunk_tokens: int = -1
-    log_every: int = 1
+    log_every: int = 1  # write a metrics record every N steps
     val_every: int = 25  # validate at step 0, every N steps and at the end; 0: at step 0 and the end; -1: never
-    val_batches: int = 8
-    checkpoint_every: int = 0  # save the training state every N steps and at the end; 0: only on a signal/stop
+    val_batches: int = 8  # micro-batches of the validation split per validation
+    checkpoint_every: int = 0  # save the training state every N steps; 0: not by steps
+    # save the training state when this many minutes have passed since the run's start or its last save; 0: not by
+    # time. A stop (a signal, train.stop_at, diverging) always saves
+    checkpoint_minutes: float = 30.0
+    checkpoint_at_end: bool = True  # save the final training state (what train.resume extends)
     keep_checkpoints: int = 3  # complete checkpoints kept (oldest removed after a save); 0 keeps all
     checkpoint_dir: Optional[str] = None  # None: <run dir>/checkpoints
     resume: str = "none"  # none | auto (newest complete checkpoint of checkpoint_dir, else step 0) | <step or run dir>
@@ -183,12 +191,12 @@ class LayerFigures:
     FLOPs, less the down projection a dense layer's recompute leaves out, `ModelSpec.layer_grads`) and the head's
     forward + backward, with compiled or eager templates. With attention figures (HardwareConfig) the layer figures
     cover the layer's FLOPs other than attention's (the layer's time less its attention's); without, all."""
-    fwd_tflops_compiled: float = 0.0
-    bwd_tflops_compiled: float = 0.0
-    head_tflops_compiled: float = 0.0
-    fwd_tflops_eager: float = 0.0
-    bwd_tflops_eager: float = 0.0
-    head_tflops_eager: float = 0.0
+    fwd_tflops_compiled: float = 0.0  # decoder layer forward, compiled
+    bwd_tflops_compiled: float = 0.0  # decoder layer backward (recompute included), compiled
+    head_tflops_compiled: float = 0.0  # final norm + LM head + loss, forward and backward, compiled
+    fwd_tflops_eager: float = 0.0  # decoder layer forward, eager
+    bwd_tflops_eager: float = 0.0  # decoder layer backward (recompute included), eager
+    head_tflops_eager: float = 0.0  # final norm + LM head + loss, forward and backward, eager
 
 
 @dataclass
@@ -205,7 +213,8 @@ class HardwareConfig(LayerFigures):
     """Figures of 0 are unknown: no GPU memory cap, no MFU, no step-time prediction. The layer and head figures
     (LayerFigures) are those of `layer_model`'s layer."""
 
-    name: str = MISSING
+    name: str = MISSING  # the profile's name (conf/hardware/<name>.yaml; auto: detected)
+    # where the run computes; auto: CUDA when present, else the CPU
     device: str = one_of("auto", ("auto", "cpu", "cuda"))
     gpu_mem_gib: float = 0.0  # the card's usable GPU memory (a little below its capacity: the CUDA context)
     # cap this process's GPU memory at this many GiB (0: none), to see how a run fits a smaller card; the speeds and
@@ -226,22 +235,22 @@ class HardwareConfig(LayerFigures):
     # every model), and the figures of other widths: a model between two calibrated widths is timed at rates
     # interpolated in log(hidden), one outside them at the nearest width's
     layer_model: str = ""
-    layer_hidden: int = 0
-    layer_widths: List[LayerWidthFigures] = field(default_factory=list)
+    layer_hidden: int = 0  # the hidden size of layer_model
+    layer_widths: List[LayerWidthFigures] = field(default_factory=list)  # figures of other widths (see above)
     # The attention kernel alone (causal, full, one sequence of attn_seq_len tokens, backend attn_backend): its
     # model FLOPs (QK^T and PV) per second forward, and forward + backward counted as 3 forwards. Attention's rate
     # grows with length while the rest of the layer's does not: the planner times the two parts apart.
     attn_backend: str = one_of("", ("", *ATTENTION_BACKENDS[1:]))  # "" (with the figures 0): not calibrated
-    attn_seq_len: int = 0
-    attn_fwd_tflops: float = 0.0
-    attn_bwd_tflops: float = 0.0
+    attn_seq_len: int = 0  # the sequence length the attention figures were measured at
+    attn_fwd_tflops: float = 0.0  # attention forward
+    attn_bwd_tflops: float = 0.0  # attention forward + backward, as 3 forwards' FLOPs
     # A mixture-of-experts layer's figures (its FLOPs other than attention's, active experts counted), measured on
     # the layer of moe_model; MoE runs use them in place of the dense layer's, which are far too fast for them.
     moe_model: str = ""
-    moe_fwd_tflops_compiled: float = 0.0
-    moe_bwd_tflops_compiled: float = 0.0
-    moe_fwd_tflops_eager: float = 0.0
-    moe_bwd_tflops_eager: float = 0.0
+    moe_fwd_tflops_compiled: float = 0.0  # MoE layer forward, compiled
+    moe_bwd_tflops_compiled: float = 0.0  # MoE layer backward, compiled
+    moe_fwd_tflops_eager: float = 0.0  # MoE layer forward, eager
+    moe_bwd_tflops_eager: float = 0.0  # MoE layer backward, eager
     h2d_gbps: float = 0.0  # pinned host->device, alone
     d2h_gbps: float = 0.0  # pinned device->host, alone
     bidir_gbps: float = 0.0  # both directions at once, total
@@ -262,11 +271,23 @@ class HardwareConfig(LayerFigures):
     nvme_direct_io: bool = True  # O_DIRECT (no page cache); false: buffered I/O, pages dropped after each write
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # `org/name`, as the Hugging Face Hub spells a repository
+
+
+def is_hub_id(target: str) -> bool:
+    """Whether `model.init=hf:<target>` names a Hub repository (resolved through huggingface_hub when the run
+    starts) rather than a local directory."""
+    return bool(HUB_ID.fullmatch(target)) and not os.path.exists(os.path.expanduser(target))
+
+
+PACKED_SOURCES = ("text", "chat")  # data sources whose rows pack several documents (engine/batch.py)
+
+
 @dataclass
 class DataConfig:
     # stdlib | memmap | synthetic: token streams cut into windows; text | chat: records tokenized with the model's
     # tokenizer and packed into train.seq_len rows by document (engine/data/documents.py)
-    name: str = one_of(MISSING, ("stdlib", "memmap", "synthetic", "text", "chat"))
+    name: str = one_of(MISSING, ("stdlib", "memmap", "synthetic", *PACKED_SOURCES))
     # memmap: the .bin file written by `python -m engine.data prepare`; text/chat: a json/jsonl/parquet/arrow/csv/txt
     # file, a folder of them, or the name of a dataset in the local Hugging Face cache
     path: Optional[str] = None
@@ -286,17 +307,19 @@ class DataConfig:
 
 @dataclass
 class LoggerConfig:
+    # wandb (offline by default: runs sync later) | none (metrics.jsonl and the terminal only)
     name: str = one_of(MISSING, ("wandb", "none"))
     project: Optional[str] = None  # None: $WANDB_PROJECT, else "streamtrain"
     entity: Optional[str] = None  # None: $WANDB_ENTITY, else W&B's default entity
     mode: str = one_of("offline", ("offline", "online", "disabled"))  # WANDB_MODE in the environment wins
     group: Optional[str] = None  # None: the multirun sweep dir name, so a sweep's jobs group together
-    tags: List[str] = field(default_factory=list)
+    tags: List[str] = field(default_factory=list)  # W&B run tags
     progress: str = one_of("auto", ("auto", "bar", "lines"))  # auto: a bar on a terminal
 
 
 @dataclass
 class EngineConfig:
+    # stream (state in host RAM, layers streamed) | reference (all on one device: the oracle)
     name: str = one_of(MISSING, ("reference", "stream"))
     slots: int = 2  # stream: GPU layer slots in the ring
     grads_tier: str = one_of("auto", TIER_CHOICES)  # stream: where full gradients wait for the global norm
@@ -308,7 +331,7 @@ class EngineConfig:
     # RAM and are updated on the GPU as the next forward loads them; the rest are updated by the host AdamW.
     # -1: the planner's split (the fastest predicted step that fits)
     gpu_resident_units: int = -1
-    gpu_streamed_units: int = -1
+    gpu_streamed_units: int = -1  # see gpu_resident_units
     # stream: the last N decoder layers keep their forward's autograd graph for the backward instead of recomputing
     # it (saves 2 x params x tokens FLOPs per layer, costs that layer's saved activations in GPU memory);
     # -1: as many as the planner finds fastest (spare HBM spent on compute)
@@ -335,7 +358,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    seed: int = 0
+    seed: int = 0  # seeds initialisation, data order and stochastic rounding
     plan: bool = False  # print the memory plan and exit
 
 
@@ -409,7 +432,7 @@ def _check_keys(node: DictConfig, section: type, prefix: str = "") -> None:
 
 def check_overrides(overrides: Iterable[str], conf_dirs: Iterable[Path] = (CONF_DIR,)) -> None:
     """Refuse command-line overrides that name no schema key, name a renamed key, or give a value (each value of a
-    sweep) that the field's type does not accept. Config group choices (`model=qwen7b`, `+experiment=...`) and
+    sweep) that the field's type does not accept. Config group choices (`model=qwen7b`, `experiment=...`) and
     Hydra's own `hydra.*` keys are left to Hydra, which lists a group's options when one does not exist."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf.errors import OmegaConfBaseException
@@ -419,6 +442,9 @@ def check_overrides(overrides: Iterable[str], conf_dirs: Iterable[Path] = (CONF_
     group_dirs = list(conf_dirs)
     for override in parser.parse_overrides(list(overrides)):
         key = override.key_or_group
+        if key == "experiment" and override.is_add():
+            raise ConfigError(f"{override.input_line}: experiments are chosen without the '+' now (the group is in "
+                              f"the defaults list): experiment={override.value()}")
         if override.is_hydra_override() or override.package is not None \
                 or any((d / key).is_dir() for d in group_dirs):
             continue
@@ -504,7 +530,7 @@ def _validate_data(cfg: DictConfig) -> None:
             raise ConfigError("data=memmap needs data.path=<tokens .bin written by `python -m engine.data prepare`>")
         if not os.path.isfile(d.path):
             raise ConfigError(f"data.path={d.path!r}: no such file; write it with `python -m engine.data prepare`")
-    elif d.name in ("text", "chat"):
+    elif d.name in PACKED_SOURCES:
         if not d.path:
             raise ConfigError(f"data={d.name} needs data.path=<a json/jsonl/parquet/arrow/csv/txt file, a folder of "
                               "them, or a dataset name in the local Hugging Face cache>")
@@ -513,7 +539,7 @@ def _validate_data(cfg: DictConfig) -> None:
                               "or data.tokenizer=<dir with tokenizer.json>")
     elif d.path is not None:
         raise ConfigError(f"data.path={d.path!r} is read by data=memmap, text and chat only; got data={d.name}")
-    if d.name not in ("text", "chat"):
+    if d.name not in PACKED_SOURCES:
         for key in ("val_path", "tokenizer"):
             if d[key] is not None:
                 raise ConfigError(f"data.{key}={d[key]!r} is read by data=text and chat only; got data={d.name}")
@@ -533,6 +559,18 @@ def _validate_logger(cfg: DictConfig) -> None:
             raise ConfigError(f"logger.tags has {tag!r}; a W&B tag is 1 to 64 characters")
 
 
+def _set_formats(train: DictConfig) -> str:
+    """The state-format fields set to a dtype, as overrides (for messages)."""
+    return " ".join(f"train.{f}={train[f]}" for f in formats.FIELDS if train[f] != formats.AUTO)
+
+
+def exact_state_required(cfg: DictConfig) -> bool:
+    """Settings that run fp32 state only (the NVMe tier, bf16 gradient transfer, the fp32 update kernel): with
+    them `auto` state formats can only be all-fp32."""
+    t = cfg.train
+    return cfg.engine.nvme_units > 0 or t.grad_transfer_dtype == "bf16" or t.fp32_update == "kernel"
+
+
 def _validate_engine(cfg: DictConfig) -> None:
     e = cfg.engine
     _positive("engine.slots", e.slots, 2)
@@ -543,23 +581,21 @@ def _validate_engine(cfg: DictConfig) -> None:
         raise ConfigError(f"engine.keep_activation_layers={e.keep_activation_layers} must be <= "
                           f"model.num_hidden_layers={cfg.model.num_hidden_layers}")
     _positive("engine.nvme_units", e.nvme_units, -1)
-    if e.nvme_units > 0 and not formats.StateFormat.of(cfg.train).exact:
+    inexact = _set_formats(cfg.train) if formats.fixed_inexact(cfg.train) else None
+    if e.nvme_units > 0 and inexact:
         raise ConfigError(f"engine.nvme_units={e.nvme_units}: the NVMe tier holds the fp32 moments of host-updated "
-                          f"units, and {formats.StateFormat.of(cfg.train).overrides()} updates every unit on the GPU; "
-                          "use engine.nvme_units=-1 or 0")
+                          f"units, and {inexact} updates every unit on the GPU; use engine.nvme_units=-1 or 0")
     if cfg.train.grad_transfer_dtype == "bf16":
-        fmt = formats.StateFormat.of(cfg.train)
-        why = ("engine=reference sends no gradients to the host" if e.name == "reference" else None if fmt.exact
-               else f"{fmt.overrides()} updates every unit on the GPU, so no gradient goes to the host")
+        why = ("engine=reference sends no gradients to the host" if e.name == "reference" else
+               f"{inexact} updates every unit on the GPU, so no gradient goes to the host" if inexact else None)
         if why:
             raise ConfigError(f"train.grad_transfer_dtype=bf16 applies to the gradients engine=stream sends to the "
                               f"host AdamW, which runs fp32 state only; here {why}. Valid: "
                               "train.grad_transfer_dtype=fp32, or bf16 with engine=stream and train.master_dtype, "
                               "train.moments_dtype and train.grad_dtype all fp32")
     if cfg.train.fp32_update == "kernel":
-        fmt = formats.StateFormat.of(cfg.train)
         why = (f"engine={e.name} updates fp32 state with torch's AdamW" if e.name != "reference"
-               else None if fmt.exact else f"{fmt.overrides()} is always updated by the kernel")
+               else f"{inexact} is always updated by the kernel" if inexact else None)
         if why:
             raise ConfigError(f"train.fp32_update=kernel runs engine=reference's fp32 state through the fused update "
                               f"kernel; here {why}. Valid: train.fp32_update=torch, or kernel with engine=reference "
@@ -612,9 +648,10 @@ def _validate_model(cfg: DictConfig) -> None:
         _positive("model.expected_params", m.expected_params)
     if m.init != "random":
         if not m.init.startswith("hf:") or len(m.init) == 3:
-            raise ConfigError(f"model.init={m.init!r} is not valid; use 'random' or 'hf:<checkpoint dir>'")
+            raise ConfigError(f"model.init={m.init!r} is not valid; use 'random', 'hf:<checkpoint dir>' or "
+                              "'hf:<org>/<name>' (a Hugging Face Hub id)")
         hf_dir = os.path.expanduser(m.init[3:])
-        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        if not is_hub_id(m.init[3:]) and not os.path.isfile(os.path.join(hf_dir, "config.json")):
             raise ConfigError(f"model.init={m.init!r}: {hf_dir} is not an HF checkpoint directory (no config.json)")
     _real("model.init_std", m.init_std, 0, low_open=True)
     _validate_moe(m)
@@ -745,6 +782,7 @@ def _validate_train(cfg: DictConfig) -> None:
                           "when missing) or null for <run dir>/checkpoints")
     for key in ("checkpoint_every", "keep_checkpoints", "stop_at", "max_consecutive_skips"):
         _positive(f"train.{key}", t[key], 0)
+    _real("train.checkpoint_minutes", t.checkpoint_minutes, 0, why=" (0: no saves by time)")
 
 
 TFLOPS_FIGURES = tuple(f"{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd", "head"))

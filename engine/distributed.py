@@ -81,6 +81,14 @@ class DataParallel:
             dist.all_reduce(tensor)
         return tensor
 
+    def sum_over_ranks(self, value: int) -> int:
+        """An integer summed over ranks, on the host (through the gloo control group)."""
+        if not self.active:
+            return value
+        total = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(total, group=self.control)
+        return int(total)
+
     def all_reduce_tensors_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Sum each of `tensors` over ranks in place with one collective: flattened into one buffer (a copy of
         their size), reduced, copied back."""

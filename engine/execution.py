@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import ConfigError
+from engine.config import PACKED_SOURCES, ConfigError
 from engine.model.attention import resolve_attention
 from engine.model.dense import LayerCompute, resolve_mlp_chunk_tokens
 
@@ -34,7 +34,7 @@ class Execution:
         compiled = t.compile == "on" or (t.compile == "auto" and on_gpu)
         try:
             attention = resolve_attention(t.attention, "cuda" if on_gpu else "cpu", spec.arch.head_dim,
-                                          spec.sinks_or_window)
+                                          spec.sinks_or_window, packed=cfg.data.name in PACKED_SOURCES)
         except ConfigError:
             if strict:
                 raise

@@ -13,6 +13,10 @@ parameters, 197 GB) into 128 GiB of host plus the H200's spare HBM.
 Every format other than all-fp32 is updated on the GPU by the fused kernel (GPU-resident or GPU-streamed units):
 the host AdamW (torch's fused CPU AdamW) updates fp32 state only. `all_formats` lists every combination from the
 most precise to the smallest, the order in which a refusal suggests them.
+
+Each field may also be `auto` (the default): the planner then takes, among the formats the set fields allow, the
+most precise one with which the run fits this machine (engine/plan/build.py `choose_state_format`), says so in the
+start banner and records it in summary.json and the W&B config. A field set to a dtype is never changed.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Tuple
 
 from streamtrain_kernels.adamw_update import BLOCK_SIZE_RANGE  # int8 moments: whole blocks in the fused kernel's tile
 
+AUTO = "auto"
 MASTER_DTYPES = ("fp32", "bf16")
 MOMENTS_DTYPES = ("fp32", "bf16", "int8")
 GRAD_DTYPES = ("fp32", "bf16")
@@ -39,6 +44,10 @@ class StateFormat:
 
     @classmethod
     def of(cls, train_cfg) -> "StateFormat":
+        """The configured format; `auto` fields must have been resolved by the planner (engine/plan/build.py)."""
+        if format_is_open(train_cfg):
+            raise ValueError("the state format has fields left auto (train.master_dtype/moments_dtype/grad_dtype); "
+                             "build_plan resolves them before an engine is built")
         return cls(train_cfg.master_dtype, train_cfg.moments_dtype, train_cfg.grad_dtype,
                    train_cfg.moments_block_size)
 
@@ -99,3 +108,25 @@ def update_seed(run_seed: int, unit: int, step: int) -> int:
     """The key of one unit's stochastic rounding at one Adam step: a function of the run's seed, the unit and the
     step only, so a run is reproducible and a resumed run rounds as the uninterrupted one would."""
     return (int(run_seed) * 1_000_003 + int(unit)) * 1_000_033 + int(step)
+
+
+FIELDS = ("master_dtype", "moments_dtype", "grad_dtype")
+
+
+def format_is_open(train_cfg) -> bool:
+    """Whether any of the three fields is `auto`, left to the planner."""
+    return any(train_cfg[f] == AUTO for f in FIELDS)
+
+
+def fixed_inexact(train_cfg) -> bool:
+    """Whether a field is set to a dtype other than fp32 (so the format cannot be the exact one)."""
+    return any(train_cfg[f] not in (AUTO, "fp32") for f in FIELDS)
+
+
+def candidate_formats(train_cfg, exact_only: bool = False) -> Tuple[StateFormat, ...]:
+    """The formats the three fields allow (a dtype fixes its field, `auto` leaves it open), the most precise first;
+    `exact_only`: all-fp32 alone (the settings that need it: the NVMe tier, bf16 gradient transfer)."""
+    wanted = {f: train_cfg[f] for f in FIELDS}
+    found = [fmt for fmt in all_formats(train_cfg.moments_block_size)
+             if all(wanted[f] in (AUTO, getattr(fmt, f.split("_")[0])) for f in FIELDS)]
+    return tuple(fmt for fmt in found if fmt.exact or not exact_only)

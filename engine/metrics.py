@@ -88,6 +88,34 @@ DEFAULT_WANDB_PROJECT = "streamtrain"  # logger.project unset and no $WANDB_PROJ
 _THROUGHPUT_KEYS = ("step_s", "tokens_per_s", "tflops", "mfu")
 _REQUIRED_STEP_KEYS = ("loss", "lr", "grad_norm", "tokens", "step_s")
 
+# W&B sections: the optimisation itself, validation, throughput, memory, and where a step's time goes. metrics.jsonl
+# keeps the flat names; W&B gets `<section>/<name>`, so its dashboard opens with five panels instead of one list.
+TRAIN_KEYS = {"loss", "lr", "grad_norm", "skipped", "skipped_steps", "loss_finite", "loss_tokens", "balance_loss",
+              "expert_load_min", "expert_load_max", "steps_in_record"}
+PERF_KEYS = {"tokens", "tokens_total", "tokens_per_s", "tflops", "tflops_6n", "mfu", "overlap"}
+
+
+def wandb_key(name: str) -> str:
+    """The W&B name of a metrics.jsonl key: train/, eval/, perf/, mem/ or time/."""
+    if name.startswith("val_"):
+        return f"eval/{name}"
+    if name in TRAIN_KEYS or name.startswith(("expert_", "router_")):
+        return f"train/{name}"
+    if name in PERF_KEYS:
+        return f"perf/{name}"
+    if name.endswith("_gib"):
+        return f"mem/{name}"
+    return f"time/{name}"
+
+
+def _define_metrics(run) -> None:
+    """The x axis of every section is the optimizer step; the run's summary keeps the best losses, the last rates."""
+    run.define_metric("step")
+    for section in ("train", "eval", "perf", "mem", "time"):
+        run.define_metric(f"{section}/*", step_metric="step")
+    run.define_metric("train/loss", summary="min")
+    run.define_metric("eval/val_loss", summary="min")
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Parameter and FLOP counts
@@ -418,6 +446,7 @@ class MetricsLogger:
                     tags=list(logger_cfg.tags),
                     reinit="create_new",  # each logger owns its run; an earlier one still open is left alone
                 )
+                _define_metrics(self._run)
             use_bar = logger_cfg.progress == "bar" or (logger_cfg.progress == "auto" and sys.stderr.isatty())
             if use_bar:
                 from tqdm import tqdm
@@ -430,7 +459,8 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self._jsonl.flush()
         if self._run is not None:
-            self._run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+            self._run.log({"step": record["step"], **{wandb_key(k): v for k, v in record.items()
+                                                       if v is not None and k != "step"}}, step=record["step"])
 
     def _print(self, line: str) -> None:
         if self._bar is not None:

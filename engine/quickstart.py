@@ -263,31 +263,34 @@ def write_checkpoint(dir: str | os.PathLike, model_cfg, seed: int, dtype=None) -
 
 
 def write_quickstart(out: str | os.PathLike, records: int = DEFAULT_RECORDS, seed: int = DEFAULT_SEED,
-                     log=print) -> dict:
-    """Write OUT/tiny-chat (checkpoint + tokenizer) and OUT/chat.jsonl; returns their paths and figures."""
+                     log=print, model: str = MODEL) -> dict:
+    """Write OUT/tiny-chat (checkpoint + tokenizer) and OUT/chat.jsonl; returns their paths and figures. Another
+    `model` (conf/model/<model>.yaml, e.g. qwen7b for a GPU run) gets the same small tokenizer, whose ids all fall
+    within its vocabulary, in OUT/<model>."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    m = model_config()
+    m = model_config(model)
     recs = make_records(records, seed)
     records_path = out / RECORDS_FILE
     tmp = records_path.with_name(records_path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
     os.replace(tmp, records_path)
-    ckpt = out / CHECKPOINT_DIR
+    ckpt = out / (CHECKPOINT_DIR if model == MODEL else model)
     texts = [f"{role}\n{content}" for r in recs for role, content in record_turns(r)]
-    write_tokenizer(ckpt, texts, m.vocab_size)
+    tiny = model_config()
+    write_tokenizer(ckpt, texts, tiny.vocab_size)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    if tok.get_vocab_size() > m.vocab_size or tok.token_to_id(EOS) != m.eos_token_id:
+    if tok.get_vocab_size() > m.vocab_size or (model == MODEL and tok.token_to_id(EOS) != m.eos_token_id):
         raise RuntimeError(f"the tokenizer ({tok.get_vocab_size()} ids, EOS id {tok.token_to_id(EOS)}) does not fit "
-                           f"model={MODEL} (vocab_size {m.vocab_size}, eos_token_id {m.eos_token_id})")
+                           f"model={model} (vocab_size {m.vocab_size}, eos_token_id {m.eos_token_id})")
     write_checkpoint(ckpt, m, seed)
     from engine.model import ModelSpec
 
     n_params = ModelSpec(m).num_params()
     n_chat = sum("messages" in r for r in recs)
-    log(f"wrote {ckpt}/: model={MODEL} ({n_params:,} parameters, random init, seed {seed}) as an HF checkpoint: "
+    log(f"wrote {ckpt}/: model={model} ({n_params:,} parameters, random init, seed {seed}) as an HF checkpoint: "
         f"config.json, model.safetensors, tokenizer.json ({tok.get_vocab_size()} ids, byte-level BPE), "
         "tokenizer_config.json (ChatML, EOS <|endoftext|>)")
     log(f"wrote {records_path}: {len(recs)} chat records from the docstrings of Python {sys.version.split()[0]}'s "
@@ -302,9 +305,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--records", type=int, default=DEFAULT_RECORDS, help=f"chat records (default {DEFAULT_RECORDS})")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="record choice and wording, weight init")
+    p.add_argument("--model", default=MODEL, help=f"conf/model/<name> of the checkpoint (default {MODEL}; a larger "
+                                                   "one, e.g. qwen7b, for a GPU fine-tuning run)")
     args = p.parse_args(argv)
     if args.records < 1:
         p.error("--records must be >= 1")
+    if args.model != MODEL:
+        write_quickstart(args.out, args.records, args.seed, model=args.model)
+        return 0
     info = write_quickstart(args.out, args.records, args.seed)
     print("\nNext, fine-tune it, from this directory (a few minutes on a CPU; the learning rate is raised from the "
           "finetune recipe's 1e-5, which suits pretrained 7B+ models, to 1e-3, which a randomly initialised tiny model "

@@ -20,7 +20,7 @@ tell the update path's effect on training from the formats' own (unit states, an
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -31,8 +31,8 @@ from engine.device import autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
 from streamtrain_kernels.grad_accum import to_bf16_stochastic
 from engine.model import ModelSpec
-
-Batch = Tuple[torch.Tensor, torch.Tensor]
+from engine.model.rope import Positions
+from engine.batch import Batch, loss_tokens
 
 
 class ReferenceEngine:
@@ -72,39 +72,40 @@ class ReferenceEngine:
             self.grad_flat = [torch.zeros_like(f) for f in self.flat]
             self.grad_held = self.grad_flat if self.fmt.grad == "fp32" else \
                 [torch.zeros_like(f, dtype=torch.bfloat16) for f in self.flat]
-        self.rope = None
+        self.tables: Optional[Positions] = None
         self.skipped_steps = 0
 
-    def _rope(self, seq_len: int):
-        if self.rope is None or self.rope.cos_TD.shape[0] != seq_len:
-            self.rope = self.spec.rope(seq_len, self.device)
-        return self.rope
+    def _positions(self, b: Batch) -> Positions:
+        T = b.ids_BT.shape[1]
+        if self.tables is None or self.tables.table_len != T:
+            self.tables = self.spec.positions(T, self.device)
+        return self.tables.of_rows(b.doc_start_BT)
 
-    def _loss_sum(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    def _loss_sum(self, b: Batch) -> torch.Tensor:
         spec = self.spec
-        rope = self._rope(ids_BT.shape[1])
+        pos = self._positions(b)
         embed_p, head_p = self.params[0], self.params[-1]
         with autocast_ctx(self.device, self.compute_dtype):
-            x = spec.embed(embed_p, ids_BT)
+            x = spec.embed(embed_p, b.ids_BT)
             for unit in spec.layer_units:
                 p = self.params[unit.index]
                 if self.t.activation_checkpointing and torch.is_grad_enabled():
-                    x = checkpoint(spec.layer, p, x, rope, unit.layer, use_reentrant=False, preserve_rng_state=False)
+                    x = checkpoint(spec.layer, p, x, pos, unit.layer, use_reentrant=False, preserve_rng_state=False)
                 else:
-                    x = spec.layer(p, x, rope, unit.layer)
+                    x = spec.layer(p, x, pos, unit.layer)
             tied = embed_p[spec.tied_weight_name] if spec.tied else None
-            return spec.loss_sum(head_p, x, labels_BT, tied)
+            return spec.loss_sum(head_p, x, b.labels_BT, tied)
 
     def train_step(self, batches: Sequence[Batch], lr: float, grad_hook=None) -> dict:
         """One optimizer step over the micro-batches. `grad_hook(unit_index, {name: grad})` (tests only) may edit
         each unit's gradient before the norm is taken."""
         t0 = time.perf_counter()
-        n_tokens = sum(labels.numel() for _, labels in batches) * self.dp.world  # every rank runs the same shapes
-        self.spec.begin_step(n_tokens)
+        step_tokens = sum(b.tokens for b in batches) * self.dp.world  # every rank runs the same shapes
+        self.spec.begin_step(step_tokens)
+        n_tokens = loss_tokens(batches, self.dp)
         loss_total = torch.zeros((), device=self.device)
-        for ids, labels in batches:
-            ids, labels = ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-            loss = self._loss_sum(ids, labels) / n_tokens
+        for b in batches:
+            loss = self._loss_sum(b.to(self.device, non_blocking=True)) / n_tokens
             loss.backward()
             loss_total += loss.detach()
         if self.dp.active:  # data parallel: the gradients and the loss summed over ranks (engine/distributed.py)
@@ -133,7 +134,8 @@ class ReferenceEngine:
             p.grad = None  # frees 4 B/param between steps (validation runs there)
         loss_value = float(loss_total)
         return {"loss": loss_value, "grad_norm": float(total_norm), "skipped": skipped,
-                "skipped_steps": self.skipped_steps, "tokens": n_tokens, "step_s": time.perf_counter() - t0}
+                "skipped_steps": self.skipped_steps, "tokens": step_tokens, "loss_tokens": n_tokens,
+                "step_s": time.perf_counter() - t0}
 
     @torch.no_grad()
     def _held_grads(self) -> List[torch.Tensor]:
@@ -161,12 +163,10 @@ class ReferenceEngine:
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[Batch]) -> float:
-        total, n = 0.0, 0
-        for ids, labels in batches:
-            ids, labels = ids.to(self.device), labels.to(self.device)
-            total += float(self._loss_sum(ids, labels))
-            n += labels.numel()
-        return total / n
+        total = 0.0
+        for b in batches:
+            total += float(self._loss_sum(b.to(self.device)))
+        return total / loss_tokens(batches)
 
     def master_weights(self) -> Dict[str, torch.Tensor]:
         """fp32 weights by HF name (copies on the CPU)."""

@@ -160,10 +160,14 @@ def _fmt(x, spec=".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _last(values) -> Optional[float]:
+    return values[-1] if values else None
+
+
 def table(rows: List[dict]) -> str:
     lines = [f"{'model':10} {'seq':>7} {'tok/step':>9} {'tok/s':>8} {'TFLOPS':>7} {'layer':>7} {'fed':>7} "
              f"{'GPU GiB (plan)':>15} "
-             f"{'host GiB (plan)':>16} {'attention':>9}  note"]
+             f"{'host GiB (plan)':>16} {'attention':>9} {'loss':>7} {'val loss':>15}  overrides; note"]
     for r in rows:
         note = r.get("refused") or r.get("error") or ""
         if r.get("depth_truncated"):
@@ -177,7 +181,9 @@ def table(rows: List[dict]) -> str:
             f"{_fmt(r.get('layer_compute_tflops')):>7} "
             f"{_fmt(r.get('gpu_mem_gib')) + ' (' + _fmt(r.get('plan_gpu_gib')) + ')':>15} "
             f"{_fmt(r.get('host_mem_gib')) + ' (' + _fmt(r.get('plan_host_gib')) + ')':>16} "
-            f"{r.get('attention') or '-':>9}  {note.splitlines()[0][:100] if note else ''}")
+            f"{r.get('attention') or '-':>9} {_fmt(_last(r.get('losses')), '.3f'):>7} "
+            f"{_fmt(r.get('initial_val_loss'), '.3f') + ' -> ' + _fmt(r.get('final_val_loss'), '.3f'):>15}  "
+            f"{' '.join(r.get('overrides') or []) or '-'}" + (f"; {note.splitlines()[0][:100]}" if note else ""))
     return "\n".join(lines)
 
 

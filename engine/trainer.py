@@ -12,9 +12,10 @@ verified completely, and an HF checkpoint to start from (`model.init=hf:<dir>`) 
 before the engine allocates; after it is built, the state is copied in (resume wins over init). A resumed run
 continues at the saved step with the saved RNG states and counters; its metrics.jsonl keeps the records up to that
 step (later ones, written by the process that died, are dropped) and it does not repeat the initial validation, so
-the run dir reads as one uninterrupted run. The training state is saved every `train.checkpoint_every` steps and at
-the end (when checkpoint_every > 0), at `train.stop_at`, on SIGINT/SIGTERM and after `train.max_consecutive_skips`
-non-finite steps in a row.
+the run dir reads as one uninterrupted run. The training state is saved every `train.checkpoint_minutes` (30 by
+default) and every `train.checkpoint_every` steps when set, at the end (`train.checkpoint_at_end`, on by default),
+at `train.stop_at`, on SIGINT/SIGTERM and after `train.max_consecutive_skips` non-finite steps in a row. A resume
+may raise `train.steps` (training longer: the LR schedule is that of the new length from the resumed step on).
 
 Exit status (`main`): 0 done (also after stop_at); 2 refused (config, data, plan, checkpoint); 3 stopped after
 max_consecutive_skips skipped steps, with a checkpoint of the last good state; 128+signal (130 SIGINT, 143
@@ -47,13 +48,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from engine import checkpoint, distributed, hardware, optim
+from engine import checkpoint, distributed, formats, hardware, optim
+from engine.banner import start_banner
 from engine.checkpoint import CheckpointError
 from engine.config import ConfigError, to_plain, validate
 from engine.data import DataError, build_data
@@ -98,6 +101,16 @@ def depth_truncated(cfg: DictConfig, full_depth_layers: Optional[int], gpu_gib: 
             "full_depth_plan_gib": {tier: full.total(tier) / 2**30 for tier in ("gpu", "host")},
             "full_depth_fits": not full.problem(), "full_depth_plan_step_s": (full.times_s or {}).get("step"),
             "full_depth_formats_that_fit": full.suggestions}
+
+
+def extended_schedule_line(t, saved_steps: int, start_step: int) -> str:
+    """What training longer than the checkpoint's run did to the learning-rate schedule."""
+    saved = SimpleNamespace(lr=t.lr, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio, steps=saved_steps)
+    before = optim.lr_at(start_step, saved)
+    return (f"train.steps extended from the checkpoint's {saved_steps} to {t.steps}: the learning rate follows the "
+            f"schedule of {t.steps} steps from here (warm-up {t.warmup_steps}, cosine to {t.lr * t.min_lr_ratio:g} "
+            f"at step {t.steps}); step {start_step + 1} runs at {optim.lr_at(start_step, t):.3g} where the "
+            f"{saved_steps}-step schedule would have {before:.3g}")
 
 
 def depth_truncated_line(d: dict) -> str:
@@ -192,13 +205,16 @@ class Trainer:
         state_ranks = self.dp.world if self.sharded else 1
         self.plan = build_plan(self.spec, local_cfg, gpu_gib, host_gib, self.device.type == "cuda",
                                state_ranks=state_ranks, execution=self.execution)
+        for name in formats.FIELDS:  # `auto` state formats, as the planner resolved them in this rank's config
+            cfg.train[name] = local_cfg.train[name]
         # the units whose state this rank holds (engine/distributed.py): it verifies and loads their files only
         owner = distributed.state_owners(self.spec, self.plan.placement.gpu_resident_units,
                                          self.dp.world) if self.sharded else {}
         self.depth_truncated = depth_truncated(local_cfg, full_depth_layers, gpu_gib, host_gib,
                                                self.device.type == "cuda", state_ranks)
         with _refusals_named(f"data={cfg.data.name}" + (f" data.path={cfg.data.path}" if cfg.data.path else "")):
-            self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size)
+            self.data = build_data(cfg.data, t.seq_len, cfg.seed, cfg.model.vocab_size,
+                                   tokenizer_dir=checkpoint.hf_dir_of(cfg.model.init))
         self.ckpt_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir else root / "checkpoints"
         self.fingerprint = checkpoint.run_fingerprint(cfg, self.data.fingerprint)
         self._take_locks()
@@ -217,7 +233,6 @@ class Trainer:
             self._release_locks()
             raise
         self.log.open(self.run_dir)  # nothing can refuse the run from here on
-        self.log(f"run dir: {self.run_dir}")
         if self.dp.active:
             mine = [u for u in sorted(owner) if owner[u] == self.dp.rank]
             held = f"this rank holds the host state of units {mine}" if self.sharded else \
@@ -245,12 +260,18 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # and the host RNGs, so that their checkpointed states are reproducible too
         random.seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
+        t_state = time.perf_counter()
+        self.log(f"allocating the training state ({self.plan.total('host') / 2**30:.1f} GiB of host, "
+                 f"{self.plan.total('gpu') / 2**30:.1f} GiB of GPU planned)"
+                 + ("" if restore is not None or hf is not None else " and initialising the weights"))
         self.engine = build_engine(self.spec, local_cfg, self.device, self.compute_dtype, self.plan, self.dp,
                                    self.execution)
+        self.log(f"training state ready in {time.perf_counter() - t_state:.1f}s")
         for line in getattr(self.engine, "notes", ()):
             self.log(line)
         self.start_step, self.consecutive_skips, self.resumed = 0, 0, None
         self._saved: Optional[tuple] = None  # (step, path) of this run's last save
+        self._last_save_time = time.monotonic()  # train.checkpoint_minutes counts from here
         try:
             if restore is not None:
                 state = checkpoint.load_training_state(self.engine, restore)
@@ -260,6 +281,8 @@ class Trainer:
                 checkpoint.set_rng_state(state["rng"])
                 self.resumed = state
                 self.log(f"resumed from {restore.path} at step {self.start_step}")
+                if restore.saved_steps is not None:
+                    self.log(extended_schedule_line(t, restore.saved_steps, self.start_step))
             elif hf is not None:
                 checkpoint.import_hf(self.engine, hf, log=self.log)
         except BaseException:
@@ -267,7 +290,11 @@ class Trainer:
             self.log.close()
             self._release_locks()
             raise
+        for line in start_banner(cfg, self.spec, self.plan, self.execution, self.run_dir, self.ckpt_root,
+                                 self.start_step, self.dp.world):
+            self.log(line)
         plain = to_plain(cfg)
+        plain["state_format_choice"] = self.plan.format_choice
         plain["data_description"] = self.data.description
         plain["num_params"] = self.spec.num_params()
         plain["plan_placement"] = self.plan.placement_settings()
@@ -328,6 +355,16 @@ class Trainer:
         return [self.data.batch("train", step * t.grad_accum + j, t.micro_batch_size)
                 for j in self.dp.micro_batches(t.grad_accum)]
 
+    def _periodic_save_due(self, step: int) -> bool:
+        """Whether to save after `step`: every train.checkpoint_every steps, or when train.checkpoint_minutes have
+        passed since the start or the last save (rank 0's clock decides for every rank)."""
+        t = self.cfg.train
+        if t.checkpoint_every and step % t.checkpoint_every == 0:
+            return True
+        if not t.checkpoint_minutes:
+            return False
+        return self.dp.any(time.monotonic() - self._last_save_time >= 60 * t.checkpoint_minutes and self.dp.rank == 0)
+
     def _validate(self) -> float:
         t = self.cfg.train
         n = min(t.val_batches, max(1, self.data.num_sequences("val") // t.micro_batch_size))
@@ -357,12 +394,15 @@ class Trainer:
             "config": to_plain(self.cfg),
         }
         t0 = time.perf_counter()
+        if self.plan.total("host") > 2**30:  # saves of more than a few seconds say that they started
+            self.log(f"saving the training state of step {step} into {self.ckpt_root}")
         try:
             path = checkpoint.save_training_state(self.engine, self.ckpt_root, step, state, t.keep_checkpoints,
                                                   self.dp, log=self.log)
         except (OSError, CheckpointError) as err:
             raise CheckpointWriteFailed(checkpoint.save_failure(self.ckpt_root, step, err)) from err
         self._saved = (step, path)
+        self._last_save_time = time.monotonic()
         self.log(f"checkpoint of step {step}: {path} ({time.perf_counter() - t0:.1f}s)")
         return path
 
@@ -392,6 +432,9 @@ class Trainer:
                     self.metrics.log_val(0, self._validate())
                 span_tokens, span_s, span_steps = 0, 0.0, 0  # steps since the last logged one
                 step = self.start_step  # optimizer steps done
+                if self.execution.compiled and step < t.steps:
+                    self.log("the first step compiles the layer and loss templates (torch.compile): expect a minute "
+                             "or more before its line")
                 while step < t.steps and not self.dp.any(signals.received is not None):
                     lr = optim.lr_at(step, t)
                     record = self.engine.train_step(self._train_batches(step), lr)
@@ -419,7 +462,7 @@ class Trainer:
                     if step == t.stop_at and step < t.steps:
                         stopped = {"reason": f"train.stop_at={t.stop_at}"}
                         break
-                    if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
+                    if step < t.steps and self._periodic_save_due(step):
                         self._save(step, span_tokens)
                 # the last optimizer pass's errors surface here, before the summary and the final checkpoint
                 self.engine.wait_for_optimizer()
@@ -429,7 +472,7 @@ class Trainer:
                     stopped = {"reason": signal.Signals(signals.received).name, "signal": int(signals.received)}
                 export = stopped is None and t.export_hf
                 # with sharded state the export reads the final checkpoint, saved for it if not anyway
-                if stopped is not None or t.checkpoint_every or (export and self.sharded):
+                if stopped is not None or t.checkpoint_at_end or (export and self.sharded):
                     path = self._save(step, span_tokens)
                     if stopped is not None:
                         stopped.update(step=step, checkpoint=str(path))
@@ -438,7 +481,8 @@ class Trainer:
                 if export and self.dp.rank == 0:
                     dtype = torch.bfloat16 if t.export_dtype == "bf16" else torch.float32
                     source = checkpoint.CheckpointSource(path) if self.sharded else \
-                        checkpoint.EngineSource(self.engine, self.cfg.model.init)
+                        checkpoint.EngineSource(self.engine, checkpoint.tokenizer_dir_of(
+                            self.cfg.model.init, self.cfg.data.tokenizer))
                     try:
                         summary_extra["export_hf"] = checkpoint.export_hf(source, self.run_dir / "hf", dtype)
                     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import checkpoint
+from engine import checkpoint, optim
 from engine.checkpoint import CheckpointError, SafetensorsFile
 from engine.checkpoint.state import write_marker
 from engine.config import ConfigError
@@ -151,12 +151,40 @@ def test_fingerprint_mismatch_names_the_field(tmp_path):
         _trainer(tmp_path, "engine=reference", "train.steps=3", "train.lr=2e-2", "train.resume=auto")
     with pytest.raises(ConfigError, match=r"model\.hidden_size"):
         _trainer(tmp_path, "engine=reference", "train.steps=3", "model.hidden_size=60", "train.resume=auto")
-    with pytest.raises(ConfigError, match=r"train\.steps=3 but this run has train\.steps=4"):
-        _trainer(tmp_path, "engine=reference", "train.steps=4", "train.resume=auto")
+    with pytest.raises(ConfigError, match=r"train\.steps=3 but this run has train\.steps=2"):
+        _trainer(tmp_path, "engine=reference", "train.steps=2", "train.resume=auto")
     # another engine may resume it (same state format)
     tr = _trainer(tmp_path, "engine=stream", "train.steps=3", "train.resume=auto")
     assert tr.start_step == 3
     tr.engine.close()
+
+
+def test_resume_with_more_steps_continues_as_the_longer_run(tmp_path):
+    """Training longer: a 3-step run's final checkpoint resumed with train.steps=6 ends exactly where a straight
+    6-step run ends. With a schedule constant after warm-up the two runs agree through step 3, so everything after
+    must too (data order, step counters, moments, RNG); the learning rate from step 4 on is the 6-step schedule's."""
+    flat = ["engine=stream", "train.min_lr_ratio=1.0"]
+    straight, extended = tmp_path / "straight", tmp_path / "extended"
+    _trainer(straight, *flat, "train.steps=6").run()
+    _trainer(extended, *flat, "train.steps=3").run()
+    assert sorted(p.name for p in (extended / "checkpoints").iterdir()) == ["step_3"]  # saved at the end by default
+    resumed = _trainer(extended, *flat, "train.steps=6", "train.resume=auto")
+    assert resumed.start_step == 3
+    resumed.run()
+    assert "train.steps extended from the checkpoint's 3 to 6" in (extended / "train.log").read_text()
+    (losses_e, val_e), (losses_s, val_s) = step_losses(extended), step_losses(straight)
+    assert losses_e == losses_s and len(losses_s) == 6
+    assert [v for v in val_e if v[0] != 3] == val_s  # the 3-step run's final validation is extra
+    assert_same_state(straight / "checkpoints" / "step_6", extended / "checkpoints" / "step_6")
+
+
+def test_resume_with_more_steps_follows_the_longer_schedule(tmp_path):
+    _trainer(tmp_path, "engine=reference", "train.steps=3").run()
+    _trainer(tmp_path, "engine=reference", "train.steps=8", "train.resume=auto").run()
+    t = make_cfg([*RECIPE, "train.steps=8"]).train
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in records if "lr" in r and r["step"] > 3}
+    assert lrs == {s + 1: pytest.approx(optim.lr_at(s, t), rel=1e-12) for s in range(3, 8)}
 
 
 @pytest.fixture()

@@ -43,7 +43,7 @@ def test_moe_active_params(name):
 
 def test_every_model_file_is_covered():
     files = {p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")}
-    assert files == set(PUBLISHED) | {"tiny"}
+    assert files == set(PUBLISHED) | {"tiny", "tiny_chat"}  # the two tiny ones are ours, not published
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -98,9 +98,9 @@ def test_removed_and_renamed_fields_are_gone_from_the_files():
         assert key not in text
 
 
-@pytest.mark.parametrize("option", ["+experiment=qwen7b_stream_64k", "+experiment=qwen7b_reference_64k",
-                                    "+experiment=qwen7b_512k_h200",
-                                    "+experiment=tiny_cpu", "+sweep=context", "+sweep=model_size"])
+@pytest.mark.parametrize("option", ["experiment=bench_qwen7b_stream_64k", "experiment=bench_qwen7b_reference_64k",
+                                    "experiment=bench_qwen7b_512k_h200",
+                                    "experiment=tiny_cpu", "+sweep=context", "+sweep=model_size"])
 def test_experiment_and_sweep_groups_pass_the_checks(option):
     check_overrides([option])
     make_cfg([option, "plan=true", "hardware=h200"])  # planned for the H200, as the recipes say, on any machine
@@ -190,7 +190,7 @@ BAD = {
     "train.master_dtype": ["train.master_dtype=fp16"],
     "train.moments_dtype": ["train.moments_dtype=int4"],
     "train.grad_dtype": ["train.grad_dtype=int8"],
-    "train.grad_transfer_dtype": ["train.grad_transfer_dtype=fp16", "train.grad_transfer_dtype=bf16",
+    "train.grad_transfer_dtype": ["train.grad_transfer_dtype=fp16", "train.grad_transfer_dtype=bf16 engine=reference",
                                   "train.grad_transfer_dtype=bf16 engine=stream train.moments_dtype=int8"],
     "train.fp32_update": ["train.fp32_update=triton", "engine=stream train.fp32_update=kernel",
                           "train.master_dtype=bf16 train.moments_dtype=bf16 train.fp32_update=kernel"],
@@ -206,6 +206,8 @@ BAD = {
     "train.val_every": ["train.val_every=-2"],
     "train.val_batches": ["train.val_batches=0"],
     "train.checkpoint_every": ["train.checkpoint_every=-1"],
+    "train.checkpoint_minutes": ["train.checkpoint_minutes=-1", "train.checkpoint_minutes=inf"],
+    "train.checkpoint_at_end": ["train.checkpoint_at_end=maybe"],
     "train.keep_checkpoints": ["train.keep_checkpoints=-1"],
     "train.checkpoint_dir": ["train.checkpoint_dir=''", f"train.checkpoint_dir={A_FILE}"],
     "train.resume": ["train.resume=/nonexistent/run", "train.resume=latest"],
@@ -291,7 +293,8 @@ BAD = {
     "engine.gpu_resident_units": ["engine.gpu_resident_units=-2"],
     "engine.gpu_streamed_units": ["engine.gpu_streamed_units=-2"],
     "engine.keep_activation_layers": ["engine.keep_activation_layers=-2", "engine.keep_activation_layers=99"],
-    "engine.nvme_units": ["engine.nvme_units=-2", "engine.nvme_units=x", "engine=stream engine.nvme_units=1"],
+    "engine.nvme_units": ["engine.nvme_units=-2", "engine.nvme_units=x",
+                          "engine=stream engine.nvme_units=1 train.moments_dtype=int8"],
     "engine.recompute_group": ["engine.recompute_group=0", "engine.recompute_group=-2",
                                 "engine.recompute_group=99", "engine.recompute_group=two"],
     "engine.fused_kernels": ["engine.fused_kernels=maybe"],
@@ -386,7 +389,7 @@ def test_sweep_values_are_checked_each():
 
 
 def test_group_choices_and_hydra_keys_are_left_to_hydra():
-    check_overrides(["model=qwen7b", "+experiment=tiny_cpu", "hydra.run.dir=/tmp/x", "hydra/launcher=basic",
+    check_overrides(["model=qwen7b", "experiment=tiny_cpu", "hydra.run.dir=/tmp/x", "hydra/launcher=basic",
                      "hydra.job.chdir=true"])
 
 
@@ -420,7 +423,7 @@ def test_hardware_auto_keeps_the_fields_a_user_or_recipe_set(monkeypatch):
     profile = OmegaConf.load(hardware.PROFILE_DIR / "h200.yaml")
     assert cfg.hardware.gpu_mem_gib == profile.gpu_mem_gib
     assert cfg.hardware.profile_host_mem_gib == profile.profile_host_mem_gib == 125.0  # the profile's machine's host
-    recipe = make_cfg(["+experiment=qwen7b_512k_h200", "hardware=auto", "plan=true"], validated=False)
+    recipe = make_cfg(["experiment=bench_qwen7b_512k_h200", "hardware=auto", "plan=true"], validated=False)
     hardware.resolve(recipe)
     assert recipe.hardware.name == "h200" and recipe.hardware.host_mem_gib == 105
 

@@ -8,7 +8,7 @@ from engine import optim
 from engine.formats import StateFormat, all_formats
 from engine.model import ModelSpec
 from engine.plan import GIB, PlanError, build_plan
-from tests.util import make_cfg
+from tests.util import FP32, make_cfg
 
 
 def test_bytes_per_format():
@@ -269,12 +269,12 @@ def test_the_streaming_engine_trains_a_format_as_the_plain_torch_run(name):
 def test_a_checkpoint_of_the_precision_key_resumes_as_the_fp32_formats():
     from engine.checkpoint.state import _current_keys, fingerprint_differences, run_fingerprint
 
-    cfg = make_cfg([])
+    cfg = make_cfg(FP32)
     now = run_fingerprint(cfg, "data")
     old_train = {k: v for k, v in now["train"].items()
                  if k not in ("master_dtype", "moments_dtype", "grad_dtype", "moments_block_size")}
     old = {**now, "train": {**old_train, "precision": "fp32_master"}}
     assert fingerprint_differences(old, now)
     assert fingerprint_differences(_current_keys(old), now) == []
-    bf16 = run_fingerprint(make_cfg(["train.master_dtype=bf16"]), "data")
+    bf16 = run_fingerprint(make_cfg([*FP32, "train.master_dtype=bf16"]), "data")
     assert [d[0] for d in fingerprint_differences(_current_keys(old), bf16)] == ["train.master_dtype"]

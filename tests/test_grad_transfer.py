@@ -19,11 +19,11 @@ from engine.optim import FlatAdamW
 from engine.plan import build_plan
 from engine.streaming.gradients import GradAccumulator, transfer_seed
 from tests.test_engine_equivalence import assert_same, build
-from tests.util import SMALL, make_cfg
+from tests.util import FP32, SMALL, make_cfg
 
 STEPS = 3
 RECIPE = ["train.seq_len=16", "train.micro_batch_size=2", "train.grad_accum=2", "train.lr=1e-2",
-          "train.warmup_steps=1", f"train.steps={STEPS}", "engine.fused_kernels=false"]
+          "train.warmup_steps=1", f"train.steps={STEPS}", "engine.fused_kernels=false", *FP32]
 NO_CLIP = ["train.max_grad_norm=0"]
 BF16 = ["train.grad_transfer_dtype=bf16"]
 
@@ -153,7 +153,8 @@ def test_the_transfer_rounding_is_unbiased():
 
 @pytest.mark.parametrize("overrides, pattern", [
     (["train.grad_transfer_dtype=fp16"], "train.grad_transfer_dtype='fp16' is not valid; choose one of fp32, bf16"),
-    (BF16, "engine=reference sends no gradients to the host. Valid: train.grad_transfer_dtype=fp32"),
+    ([*BF16, "engine=reference"], "engine=reference sends no gradients to the host. Valid: "
+                                  "train.grad_transfer_dtype=fp32"),
     ([*BF16, "engine=stream", "train.grad_dtype=bf16"], "train.grad_dtype=bf16 updates every unit on the GPU"),
     ([*BF16, "engine=stream", "train.master_dtype=bf16"], "train.master_dtype=bf16 .*updates every unit on the GPU"),
 ])

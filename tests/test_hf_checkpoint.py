@@ -360,3 +360,26 @@ def test_non_finite_weights_are_refused_naming_the_tensor(bad_value, tmp_path):
     with pytest.raises(CheckpointError, match=r"model.safetensors: tensor model.layers.1.mlp.down_proj.weight has 1 "
                                               r"non-finite value"):
         Trainer(make_cfg([*BASE, f"model.init=hf:{path}"]), tmp_path / "run")
+
+
+def test_a_hub_id_resolves_through_the_local_cache_and_offline_misses_say_so(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from engine.checkpoint import hf
+
+    snapshot = tmp_path / "models--acme--tiny-model" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--acme--tiny-model" / "refs").mkdir()
+    (tmp_path / "models--acme--tiny-model" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hf._hub_snapshot.cache_clear()
+    assert checkpoint.hf_dir_of("hf:acme/tiny-model") == snapshot
+    with pytest.raises(CheckpointError, match=r"hf:acme/other: not in the local Hugging Face cache .*HF_HUB_OFFLINE"):
+        checkpoint.hf_dir_of("hf:acme/other")
+    hf._hub_snapshot.cache_clear()
+    # a local directory of that shape is a directory, not a hub id
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "acme" / "other").mkdir(parents=True)
+    assert checkpoint.hf_dir_of("hf:acme/other") == Path("acme/other")

@@ -17,7 +17,7 @@ from engine import hardware
 from engine.model import ModelSpec
 from engine.plan import PlanError, build_plan
 from engine.trainer import Trainer
-from tests.util import ROOT, SMALL, make_cfg
+from tests.util import FP32, ROOT, SMALL, make_cfg
 
 GIB = 2**30
 KIB = 1024
@@ -140,7 +140,7 @@ def test_a_data_parallel_rank_plans_with_its_share_and_the_budget_travels_whole(
 
 def test_a_host_refusal_names_the_knob_and_the_figure_planned_with(measured, tmp_path):
     """fp32 streaming of a 14B model on a 125 GiB host is refused; the text says how to plan for the host it has."""
-    cfg = make_cfg(["model=qwen14b", "engine=stream", "train=bench", "hardware=h200", "plan=true"])
+    cfg = make_cfg(["model=qwen14b", "engine=stream", "train=bench", "hardware=h200", "plan=true", *FP32])
     with pytest.raises(PlanError) as err:
         Trainer(cfg, tmp_path).run()
     text = str(err.value)
@@ -148,7 +148,7 @@ def test_a_host_refusal_names_the_knob_and_the_figure_planned_with(measured, tmp
            "hardware.profile_host_mem_gib of hardware=h200" in text
     assert "train.micro_batch_size" in text  # the existing suggestions stay
     assert "hardware.gpu_mem_cap_gib" not in text
-    fits = make_cfg(["model=qwen14b", "engine=stream", "train=bench", "hardware=h200", "plan=true",
+    fits = make_cfg(["model=qwen14b", "engine=stream", "train=bench", "hardware=h200", "plan=true", *FP32,
                      "hardware.host_mem_gib=1024"])
     assert not build_plan(ModelSpec(fits.model), fits, 139.0, hardware.host_budget(fits), on_gpu=True,
                           check=False).problem()

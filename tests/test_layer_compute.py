@@ -74,7 +74,7 @@ def _layer_case(B=2, T=37):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(B, T, spec.arch.hidden, generator=gen).requires_grad_()
     dy = torch.randn(B, T, spec.arch.hidden, generator=gen)
-    return spec, params, x, dy, spec.rope(T, "cpu")
+    return spec, params, x, dy, spec.positions(T, "cpu")
 
 
 def _run_layer(spec, params, x, dy, rope, compute):
@@ -132,7 +132,7 @@ def test_planner_counts_one_chunk_of_mlp_memory():
     chunked = layer_working_bytes(spec, T, 2, True, AUTO_MLP_CHUNK_TOKENS, "triton")
     # qwen7b's MLP is most of a layer's graph (3 x 18944 of ~8.7K x 2 B per token): chunking removes most of it
     assert chunked < 0.5 * whole
-    cfg = make_cfg(["model=qwen7b", "engine=stream", "train=throughput", "train.micro_batch_size=1",
+    cfg = make_cfg(["model=qwen7b", "engine=stream", "train=bench", "train.micro_batch_size=1",
                     "train.grad_accum=1", f"train.seq_len={T}", f"model.max_position_embeddings={T}"])
     chunked_plan = build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False)
     cfg.train.mlp_chunk_tokens = 0
@@ -159,7 +159,7 @@ def test_layer_grads_equal_autograd_through_the_whole_layer_without_the_down_pro
     B, T, D = 3, 29, spec.arch.hidden
     x = torch.randn(B, T, D, generator=gen).requires_grad_()
     dy = torch.randn(B, T, D, generator=gen)
-    rope, names = spec.rope(T, "cpu"), list(params)
+    rope, names = spec.positions(T, "cpu"), list(params)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         with FlopCounterMode(display=False) as whole_flops:
             y = spec.layer(params, x, rope, 0)

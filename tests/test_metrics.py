@@ -77,7 +77,7 @@ def test_matmul_flops_equal_torchs_count_of_a_training_pass(tied):
     def train_pass():
         x = spec.embed(params[0], ids)
         for i, p in enumerate(params[1:-1]):
-            x = spec.layer(p, x, spec.rope(T, "cpu"), i)
+            x = spec.layer(p, x, spec.positions(T, "cpu"), i)
         spec.loss_sum(params[-1], x, labels, params[0][spec.tied_weight_name] if tied else None).backward()
 
     f = model_flops_per_token(cfg.model, T)
@@ -283,3 +283,25 @@ def test_child_processes_rss_counts_a_child_holding_memory():
     finally:
         os.killpg(child.pid, signal.SIGKILL)  # the grandchild too
         child.wait()
+
+
+def test_wandb_gets_grouped_keys_against_the_step(tmp_path, monkeypatch):
+    """W&B sees train/, eval/, perf/, mem/ and time/ sections with the step as their x axis; metrics.jsonl keeps the
+    flat names."""
+    log = make_logger(tmp_path, name="wandb")
+    logged, defined = [], []
+    monkeypatch.setattr(log._run, "log", lambda data, step=None: logged.append((step, data)))
+    metrics._define_metrics(SimpleNamespace(define_metric=lambda name, **kw: defined.append((name, kw))))
+    log.log_step(1, {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.3, "tokens": 100, "step_s": 0.5, "forward_s": 0.2})
+    log.log_val(1, 1.9)
+    log.close()
+    (step, first), (_, second) = logged
+    assert step == 1 and first["step"] == 1
+    sections = {k.split("/")[0] for k in first if k != "step"}
+    assert sections == {"train", "perf", "mem", "time"}
+    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "mem/host_mem_gib",
+            "time/step_s", "time/forward_s"} <= first.keys()
+    assert second == {"step": 1, "eval/val_loss": 1.9}
+    assert ("eval/*", {"step_metric": "step"}) in defined and ("eval/val_loss", {"summary": "min"}) in defined
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "loss" in records[0] and "val_loss" in records[1]

@@ -157,7 +157,7 @@ def our_params(spec: ModelSpec, model) -> list[dict]:
 
 def our_hidden(spec: ModelSpec, params: list[dict], ids_BT: torch.Tensor) -> torch.Tensor:
     x = spec.embed(params[0], ids_BT)
-    rope = spec.rope(ids_BT.shape[1], "cpu")
+    rope = spec.positions(ids_BT.shape[1], "cpu")
     for u in spec.layer_units:
         x = spec.layer(params[u.index], x, rope, u.layer)
     return x
@@ -311,12 +311,12 @@ def test_logits_bf16_autocast_within_hf_error(case):
 def test_rope_tables_match_hf(case):
     m, seq_len, _ = case_cfg(case)
     spec, model = ModelSpec(m), hf_model(case)
-    rope = spec.rope(seq_len, "cpu")
+    rope = spec.positions(seq_len, "cpu")
     rotary = model.model.rotary_emb
     x = torch.zeros(1, seq_len, m.hidden_size)
     cos, sin = rotary(x, torch.arange(seq_len)[None])
-    torch.testing.assert_close(rope.cos_TD, cos[0].float(), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(rope.sin_TD, sin[0].float(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(rope.cos, cos[0].float(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(rope.sin, sin[0].float(), atol=1e-6, rtol=1e-6)
 
 
 LLAMA3_ROPES = {

@@ -32,7 +32,7 @@ def _run_layer(spec: ModelSpec, params, x, dy, chunk: int):
     gradients of x and of every parameter for the loss sum(y * dy) + coef * balance."""
     spec.set_layer_compute(LayerCompute(attention=spec.compute.attention, mlp_chunk_tokens=chunk))
     spec.begin_step(x.shape[0] * x.shape[1])
-    y = spec.layer(params, x, spec.rope(T, "cpu"), 0)
+    y = spec.layer(params, x, spec.positions(T, "cpu"), 0)
     names = list(params)
     grads = torch.autograd.grad(y, [x] + [params[n] for n in names], grad_outputs=dy)
     return y.detach(), spec.step_stats(), dict(zip(["x"] + names, grads)), spec.router_stats.load[0]
@@ -55,7 +55,7 @@ def test_chunked_layer_matches_unchunked(case, chunk):
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-5 * g_ref[name].abs().max().item(),
                                    msg=lambda m: f"{name}: {m}")
     with torch.no_grad():
-        y_nograd, aux, load_nograd = moe.decoder_layer(params, x, spec.rope(T, "cpu"), spec.arch, spec.compute,
+        y_nograd, aux, load_nograd = moe.decoder_layer(params, x, spec.positions(T, "cpu"), spec.arch, spec.compute,
                                                        spec.layer_windows[0])
     assert torch.equal(y_nograd, y) and torch.equal(load_nograd, load)
     assert aux.item() == pytest.approx(stats["balance_loss"], rel=1e-6)
@@ -137,8 +137,8 @@ def test_whole_moe_layer_bytes_are_the_attention_share_plus_the_routed_block(mon
     spec = ModelSpec(case_cfg("qwen3_moe"))
     params = _layer_params(spec, torch.bfloat16)
     x = torch.randn(B, T, spec.arch.hidden, requires_grad=True)
-    rope = spec.rope(T, "cpu")
-    elsewhere = [x, rope.cos_TD, rope.sin_TD, *params.values()]
+    rope = spec.positions(T, "cpu")
+    elsewhere = [x, rope.cos, rope.sin, *params.values()]
     attention_share = layer_activation_bytes_per_token(spec, 2, compiled=False, mlp=False)
     per_expert = 4 * spec.arch.experts  # the balance loss's f (fp32) and, unchunked, the group offsets (int32)
     whole = _saved_bytes(lambda: moe.decoder_layer(params, x, rope, spec.arch), elsewhere, autocast=True)

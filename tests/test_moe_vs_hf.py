@@ -111,7 +111,7 @@ def batch(case: str):
 
 def our_loss(spec: ModelSpec, params, ids, labels):
     x = spec.embed(params[0], ids)
-    rope = spec.rope(T, "cpu")
+    rope = spec.positions(T, "cpu")
     for u in spec.layer_units:
         x = spec.layer(params[u.index], x, rope, u.layer)
     return spec.loss_sum(params[-1], x, labels) / labels.numel()
@@ -247,7 +247,7 @@ def test_bf16_autocast_within_hf_error(case, device):
         with torch.autocast(device, dtype=torch.bfloat16):
             hf_bf16 = model(input_ids=ids).logits.float()
             x = spec.embed(params[0], ids)
-            rope = spec.rope(T, device)
+            rope = spec.positions(T, device)
             for u in spec.layer_units:
                 x = spec.layer(params[u.index], x, rope, u.layer)
             assert x.dtype == torch.float32  # the residual stream stays fp32, as in transformers

@@ -24,7 +24,7 @@ from engine.streaming.nvme import MomentFile, NvmeError
 from engine.trainer import Trainer
 from tests.test_checkpoint import RECIPE, step_losses
 from tests.test_engine_equivalence import assert_same, build, continues_identically, train
-from tests.util import make_cfg
+from tests.util import FP32, make_cfg
 
 
 def _direct_io_works(directory) -> bool:
@@ -160,7 +160,7 @@ def test_file_removed_under_the_run_is_an_error(tmp_path):
 def test_planner_moves_only_the_layers_the_host_needs(tmp_path):
     """qwen14b in fp32 on the H200 profile: refused on the host alone; with 60 GiB of disk it fits, the moments of
     the last host-updated layers on disk (not the head), the host within its budget."""
-    common = ["model=qwen14b", "hardware=h200", "plan=true", "engine=stream", "train=bench"]
+    common = ["model=qwen14b", "hardware=h200", "plan=true", "engine=stream", "train=bench", *FP32]
     cfg = make_cfg(common)
     spec = ModelSpec(cfg.model)
     alone = build_plan(spec, cfg, cfg.hardware.gpu_mem_gib, 125.0, on_gpu=True, check=False)

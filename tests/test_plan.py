@@ -7,9 +7,10 @@ import torch
 from omegaconf import OmegaConf
 
 from engine.config import LayerWidthFigures, validate
+from engine.formats import StateFormat, all_formats
 from engine.model import ModelSpec
 from engine.plan import GIB, PlanError, build_plan, width_rates
-from tests.util import make_cfg
+from tests.util import FP32, make_cfg
 
 
 def test_a_refusal_names_every_tier_that_does_not_fit():
@@ -51,7 +52,7 @@ def test_a_memory_cap_is_not_another_card(monkeypatch):
 
 
 def _stream_plan(overrides, gpu_gib=139.0):
-    cfg = make_cfg(["model=qwen7b", "engine=stream", "hardware=h200", "train=throughput", "train.seq_len=4096",
+    cfg = make_cfg(["model=qwen7b", "engine=stream", "hardware=h200", "train=bench", "train.seq_len=4096",
                     "plan=true", *overrides])
     return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=gpu_gib, host_gib=125.0, on_gpu=True, check=False)
 
@@ -126,7 +127,7 @@ def test_spare_hbm_keeps_graphs_where_that_is_fastest_and_a_fixed_count_is_kept(
     """qwen3b at 32K tokens/step leaves HBM beyond the whole state: the planner keeps the last layers' graphs (no
     recompute), as many as fit, and predicts a shorter backward than with none; an explicit count is honoured."""
     def qwen3b(overrides):
-        cfg = make_cfg(["model=qwen3b", "engine=stream", "hardware=h200", "train=throughput", "train.seq_len=4096",
+        cfg = make_cfg(["model=qwen3b", "engine=stream", "hardware=h200", "train=bench", "train.seq_len=4096",
                         "train.micro_batch_size=8", "train.grad_accum=1", "plan=true", *overrides])
         return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False)
 
@@ -178,10 +179,10 @@ def test_eager_layer_graph_bytes_are_what_autograd_saves(monkeypatch, qk_norm):
     B, T = 2, 37
     params = {s.name: torch.randn(s.shape, requires_grad=True) for s in spec.units[1].layout.specs}
     x = torch.randn(B, T, spec.arch.hidden, requires_grad=True)
-    rope = spec.rope(T, "cpu")
+    rope = spec.positions(T, "cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the engine's slots hold bf16 matrices: no weight casts
         params = {k: (v.to(torch.bfloat16) if v.dim() == 2 else v) for k, v in params.items()}
-    elsewhere = {t.untyped_storage().data_ptr() for t in [x, rope.cos_TD, rope.sin_TD, *params.values()]}
+    elsewhere = {t.untyped_storage().data_ptr() for t in [x, rope.cos, rope.sin, *params.values()]}
     saved = {}
 
     def pack(t):
@@ -270,13 +271,13 @@ def test_a_moe_plan_times_its_layers_at_the_moe_figures_or_says_it_has_none():
         return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=125.0, on_gpu=True, check=False)
 
     note = "MoE layers are timed at a dense layer's figures"
-    dense = plan(["+experiment=gptoss20b_h200"])
-    assert note in dense.speeds and note not in plan(["+experiment=qwen14b_h200"]).speeds
+    dense = plan(["experiment=bench_gptoss20b_h200"])
+    assert note in dense.speeds and note not in plan(["experiment=bench_qwen14b_h200"]).speeds
     fixed = [f"engine.{k}={v}" for k, v in dense.placement_settings().items()]  # the same placement whatever the speeds
-    dense = plan(["+experiment=gptoss20b_h200", *fixed])
+    dense = plan(["experiment=bench_gptoss20b_h200", *fixed])
     h200 = make_cfg(["hardware=h200", "plan=true"]).hardware
     fwd, bwd = h200.fwd_tflops_compiled, h200.bwd_tflops_compiled
-    same, slow = (plan(["+experiment=gptoss20b_h200", *fixed, "hardware.moe_model=gptoss20b",
+    same, slow = (plan(["experiment=bench_gptoss20b_h200", *fixed, "hardware.moe_model=gptoss20b",
                         f"hardware.moe_fwd_tflops_compiled={fwd}", f"hardware.moe_bwd_tflops_compiled={bwd / k}"])
                   for k in (1, 4))
     assert "MoE layers at the figures of a gptoss20b layer" in same.speeds and note not in same.speeds
@@ -312,7 +313,7 @@ def test_layers_of_another_width_are_timed_at_that_widths_calibrated_rates():
 def test_a_calibrated_narrower_layer_lengthens_the_plan_of_a_model_of_that_width():
     """qwen3b with a fixed placement: its layers at a calibrated 2048-wide layer's half rates take twice the
     compute of the plan at the qwen7b layer's figures, and the plan's speeds line names the width."""
-    over = ["model=qwen3b", "engine=stream", "hardware=h200", "train=throughput", "train.seq_len=4096", "plan=true",
+    over = ["model=qwen3b", "engine=stream", "hardware=h200", "train=bench", "train.seq_len=4096", "plan=true",
             "train.micro_batch_size=2", "train.grad_accum=2", "engine.gpu_resident_units=36",
             "engine.gpu_streamed_units=0", "engine.keep_activation_layers=0"]
     plans = []
@@ -343,7 +344,7 @@ def test_the_formats_a_sharded_refusal_suggests_are_planned_with_the_shards():
     from engine.formats import StateFormat, all_formats
     from engine.trainer import depth_truncated
 
-    base = ["model=qwen14b", "engine=stream", "hardware=h200", "train=throughput", "plan=true"]
+    base = ["model=qwen14b", "engine=stream", "hardware=h200", "train=bench", "plan=true", *FP32]
     cfg = make_cfg(base)
     host_gib = 125.0 / 2
     plan = build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=host_gib, on_gpu=True, check=False,
@@ -356,3 +357,32 @@ def test_the_formats_a_sharded_refusal_suggests_are_planned_with_the_shards():
     truncated = make_cfg([*base, "model.num_hidden_layers=4"])
     full = depth_truncated(truncated, 48, 139.0, host_gib, True, state_ranks=2)
     assert full["full_depth_formats_that_fit"] == plan.suggestions
+
+
+@pytest.mark.parametrize("model, hw, expected", [
+    ("qwen32b", "h200", "train.master_dtype=bf16 train.moments_dtype=int8 train.grad_dtype=bf16"),
+    ("qwen0_5b", "h100", "train.master_dtype=fp32 train.moments_dtype=fp32 train.grad_dtype=fp32"),
+])
+def test_auto_state_formats_take_the_most_precise_that_fits(model, hw, expected):
+    cfg = make_cfg([f"model={model}", f"hardware={hw}", "plan=true"])
+    gpu_gib = cfg.hardware.gpu_mem_gib
+    plan = build_plan(ModelSpec(cfg.model), cfg, gpu_gib, cfg.hardware.profile_host_mem_gib, on_gpu=True)
+    assert expected in plan.format_choice and expected in StateFormat.of(cfg.train).overrides()
+    # the next more precise format does not fit
+    chosen = StateFormat.of(cfg.train)
+    richer = [f for f in all_formats() if f.bytes_per_param() > chosen.bytes_per_param()]
+    for fmt in richer[-1:]:
+        fixed = make_cfg([f"model={model}", f"hardware={hw}", "plan=true", *fmt.overrides().split()])
+        assert build_plan(ModelSpec(fixed.model), fixed, gpu_gib, cfg.hardware.profile_host_mem_gib, on_gpu=True,
+                          check=False).problem()
+
+
+def test_a_set_format_field_is_kept_and_the_others_chosen_around_it():
+    cfg = make_cfg(["model=qwen32b", "hardware=h200", "plan=true", "train.moments_dtype=bf16"])
+    plan = build_plan(ModelSpec(cfg.model), cfg, cfg.hardware.gpu_mem_gib, cfg.hardware.profile_host_mem_gib,
+                      on_gpu=True, check=False)
+    assert cfg.train.moments_dtype == "bf16" and "train.moments_dtype=bf16" in plan.format_choice
+    # settings that run fp32 state only leave auto nothing but fp32
+    cfg = make_cfg(["model=tiny", "train.grad_transfer_dtype=bf16"])
+    build_plan(ModelSpec(cfg.model), cfg, 0.0, 64.0, on_gpu=False)
+    assert StateFormat.of(cfg.train).exact

@@ -10,13 +10,13 @@ import pytest
 from engine.formats import StateFormat
 from engine.model import ModelSpec
 from engine.plan import GIB, PlanError, Speeds, StepShape, build_plan, predict_stream
-from tests.util import make_cfg
+from tests.util import FP32, make_cfg
 
 # the Triton attention (SDPA's GQA backward would add 14 GiB of expanded K/V at this length, plan.layer_working_bytes)
 # and a fixed process figure (h200.yaml's counts torch.compile's workers: fp32 state at 512K then fits no group)
 LONG = ["model=qwen7b", "engine=stream", "hardware=h200", "train=bench", "train.micro_batch_size=1",
         "train.grad_accum=1", "train.seq_len=524288", "model.max_position_embeddings=524288", "train.attention=triton",
-        "hardware.host_process_gib=1.83", "plan=true"]
+        "hardware.host_process_gib=1.83", "plan=true", *FP32]
 SMALL_STATE = ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=bf16"]
 ACTIVATIONS = "layer-input activations (all micro-batches)"
 

@@ -22,6 +22,10 @@ SMALL = ["model.hidden_size=72", "model.intermediate_size=100", "model.num_hidde
          "model.num_attention_heads=6", "model.num_key_value_heads=2", "model.vocab_size=256"]
 
 
+# The exact state format, for tests about it: the default `auto` lets the planner choose (engine/formats.py)
+FP32 = ["train.master_dtype=fp32", "train.moments_dtype=fp32", "train.grad_dtype=fp32"]
+
+
 def make_cfg(overrides=(), validated=True):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("config", overrides=["logger=none", "hardware=cpu", *overrides])

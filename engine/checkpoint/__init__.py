@@ -93,7 +93,7 @@ engine/fileio.py (fsync, sha256, strict JSON).
    a step directory or a run directory. `open_training_state` verifies everything before the engine is touched: the
    manifest, every file's size (truncation) and sha256 (flipped bytes, hashed in parallel threads), trainer_state.json,
    the run fingerprint (model architecture, optimizer recipe, steps, seed, data identity; a difference is a
-   ConfigError naming the field and both values) and every unit file's tensor names and shapes. A damaged newest
+   ConfigError naming the field and both values, except a larger train.steps: training longer) and every unit file's tensor names and shapes. A damaged newest
    checkpoint is refused naming the file, never silently replaced by an older one: pass the older step directory
    explicitly to fall back. Loading then streams one tensor at a time into `engine.load_unit_state`. Cost: a resume
    reads the checkpoint twice (verify, then load); a save writes 12 B/param.
@@ -108,7 +108,7 @@ and so does the CLI, which also reports an OSError (a path that is a file, no pe
 
 from engine.checkpoint.common import CheckpointError
 from engine.checkpoint.hf import (EngineSource, check_hf_config, export_hf, hf_config_dict, hf_dir_of, import_hf,
-                                  open_hf)
+                                  open_hf, tokenizer_dir_of)
 from engine.checkpoint.lock import DirLock, LockHeld
 from engine.checkpoint.safetensors_io import LazyTensors, SafetensorsFile, write_safetensors
 from engine.checkpoint.state import (CheckpointSource, check_writable, find_resume, list_checkpoints,
@@ -120,4 +120,4 @@ __all__ = ["CheckpointError", "CheckpointSource", "DirLock", "EngineSource", "La
            "SafetensorsFile", "check_hf_config", "check_writable", "export_hf", "find_resume", "hf_config_dict",
            "hf_dir_of", "import_hf", "list_checkpoints", "load_training_state", "open_hf", "open_training_state",
            "rng_state", "run_fingerprint", "save_failure", "save_training_state", "set_rng_state", "sha256_file",
-           "write_safetensors"]
+           "tokenizer_dir_of", "write_safetensors"]

@@ -22,6 +22,7 @@ only as gpt-oss's mxfp4.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -38,12 +39,13 @@ from engine.checkpoint import mxfp4
 from engine.checkpoint.common import CheckpointError, read_json
 from engine.checkpoint.safetensors_io import (FLOAT_CODES, ST_DTYPES, LazyTensors, Readers, SafetensorsFile,
                                               TensorInfo, itemsize, write_safetensors)
-from engine.config import LLAMA3_KEYS, MOE_MODEL_TYPES, ConfigError
+from engine.config import LLAMA3_KEYS, MOE_MODEL_TYPES, ConfigError, is_hub_id
 from engine.fileio import fsync_dir, json_bytes, write_durable
+from engine.progress import Progress
 from engine.model.moe import GPT_OSS_SWIGLU_ALPHA
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json")
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 DEFAULT_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                          "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
@@ -358,8 +360,38 @@ class HFCheckpoint:
         return any(r.kind == "mxfp4" for r in self.recipes.values())
 
 
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "merges.txt", "vocab.json"]
+
+
 def hf_dir_of(init: str) -> Optional[Path]:
-    return Path(init[3:]).expanduser() if init.startswith("hf:") else None
+    """The local directory of `model.init=hf:<dir or hub id>` (None for random init). A hub id (`org/name` that is
+    not a local path) is resolved through huggingface_hub: from its local cache, else downloaded unless
+    HF_HUB_OFFLINE=1; CheckpointError when neither works, saying what to do."""
+    if not init.startswith("hf:"):
+        return None
+    target = init[3:]
+    return _hub_snapshot(target) if is_hub_id(target) else Path(target).expanduser()
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+    except Exception as missing:  # huggingface_hub raises several types here (not cached, incomplete, bad id)
+        if constants.HF_HUB_OFFLINE:
+            raise CheckpointError(
+                f"model.init=hf:{repo_id}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                f"HF_HUB_OFFLINE is set ({type(missing).__name__}); download it where there is network "
+                f"(`hf download {repo_id}`), or give model.init=hf:<local checkpoint dir>") from None
+    print(f"model.init=hf:{repo_id}: downloading into the Hugging Face cache ({constants.HF_HUB_CACHE})", flush=True)
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as failed:  # network, authentication (gated models), unknown repository
+        raise CheckpointError(f"model.init=hf:{repo_id}: not in the local Hugging Face cache and the download "
+                              f"failed: {type(failed).__name__}: {failed}. Log in (`hf auth login`) for gated "
+                              "models, or give model.init=hf:<local checkpoint dir>") from None
 
 
 def _layer_beyond(name: str, num_layers: int) -> bool:
@@ -488,11 +520,13 @@ def import_hf(engine, ckpt: HFCheckpoint, log: Callable[[str], None] = print) ->
     """Copy the weights of a validated HF checkpoint into the engine, unit by unit, one of our tensors at a time."""
     t0 = time.perf_counter()
     readers = Readers()
+    progress = Progress(f"importing {ckpt.dir}", len(engine.spec.units), log, "units")
     try:
         for unit in engine.spec.units:
             prefix = unit.layout.prefix
             engine.load_unit_state(unit.index, LazyTensors(
                 unit.layout.names, lambda name, prefix=prefix: _produce(ckpt, readers, prefix + name)))
+            progress.update()
     finally:
         readers.close()
     seconds = time.perf_counter() - t0
@@ -507,11 +541,17 @@ def import_hf(engine, ckpt: HFCheckpoint, log: Callable[[str], None] = print) ->
 # export
 
 
-class EngineSource:
-    """Master weights of a live engine, as an export source (`spec`, `init`, `unit_master(i)`, `close()`)."""
+def tokenizer_dir_of(model_init: str, data_tokenizer: Optional[str]) -> Optional[Path]:
+    """Where a run's tokenizer files are: `data.tokenizer` when set, else the `model.init=hf:` checkpoint's dir."""
+    return Path(data_tokenizer).expanduser() if data_tokenizer else hf_dir_of(model_init or "random")
 
-    def __init__(self, engine, init: str = "random"):
-        self.spec, self.engine, self.init = engine.spec, engine, init
+
+class EngineSource:
+    """Master weights of a live engine, as an export source (`spec`, `tokenizer_dir`, `unit_master(i)`,
+    `close()`)."""
+
+    def __init__(self, engine, tokenizer_dir: Optional[Path] = None):
+        self.spec, self.engine, self.tokenizer_dir = engine.spec, engine, tokenizer_dir
 
     def unit_master(self, index: int) -> Mapping:
         return self.engine.unit_state(index)["master"]
@@ -606,11 +646,10 @@ def export_hf(source, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, 
         if m.bos_token_id is not None or m.eos_token_id is not None:
             write_durable(tmp / "generation_config.json", json_bytes(
                 {"_from_model_config": True, "bos_token_id": m.bos_token_id, "eos_token_id": m.eos_token_id}))
-        hf_src = hf_dir_of(getattr(source, "init", "random") or "random")
-        if hf_src is not None:
+        if source.tokenizer_dir is not None:  # the run's tokenizer, so the export loads as a whole model
             for f in TOKENIZER_FILES:
-                if (hf_src / f).is_file():
-                    shutil.copyfile(hf_src / f, tmp / f)
+                if (source.tokenizer_dir / f).is_file():
+                    shutil.copyfile(source.tokenizer_dir / f, tmp / f)
         write_durable(tmp / INDEX, json_bytes({"metadata": {"total_size": total,
                                                             "total_parameters": spec.num_params()},
                                                "weight_map": weight_map}))

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engine.checkpoint.common import CheckpointError, read_json
-from engine.checkpoint.hf import head_dim_of, norm_rope_scaling, plain, same_value
+from engine.checkpoint.hf import head_dim_of, norm_rope_scaling, plain, same_value, tokenizer_dir_of
 from engine.checkpoint.safetensors_io import LazyTensors, Readers, SafetensorsFile, WriteItem, write_safetensors
 from engine.config import ConfigError
 from engine.distributed import SINGLE
@@ -464,6 +464,7 @@ class TrainingCheckpoint:
     state: dict
     spec: Any
     unit_files: List[Path]
+    saved_steps: Optional[int] = None  # the checkpoint's train.steps where this run extends it, else None
 
     @property
     def step(self) -> int:
@@ -491,7 +492,8 @@ def open_training_state(path: Path, spec=None, fingerprint: Optional[dict] = Non
                         threads: int = VERIFY_THREADS,
                         verify_unit: Optional[Callable[[int], bool]] = None) -> TrainingCheckpoint:
     """Check a checkpoint completely without touching any engine: manifest, sizes, checksums (`verify`), the run
-    fingerprint against `fingerprint` (ConfigError naming the field), every unit file's tensor names and shapes.
+    fingerprint against `fingerprint` (ConfigError naming the field; a larger train.steps is allowed: training
+    longer), every unit file's tensor names and shapes.
     `verify_unit(index)`: which unit files to checksum (default all; a rank of a sharded run reads its own only)."""
     path = Path(path)
     if not path.is_dir():
@@ -506,8 +508,13 @@ def open_training_state(path: Path, spec=None, fingerprint: Optional[dict] = Non
     for name, meta in files.items():  # cheap checks first: missing and truncated files
         _check_listed(path, name, meta)
     state = read_json(path / TRAINER_STATE, "")
+    saved_steps = None
     if fingerprint is not None:
         diffs = fingerprint_differences(_current_keys(state.get("fingerprint", {})), fingerprint)
+        extended = [d for d in diffs if d[0] == "train.steps" and isinstance(d[1], int) and d[2] > d[1]]
+        if extended:  # training longer: the schedule is re-derived for the new length (the trainer says how)
+            diffs.remove(extended[0])
+            saved_steps = extended[0][1]
         if diffs:
             key, saved, now = diffs[0]
             more = "; also differ: " + ", ".join(d[0] for d in diffs[1:]) if len(diffs) > 1 else ""
@@ -555,7 +562,7 @@ def open_training_state(path: Path, spec=None, fingerprint: Optional[dict] = Non
                         raise CheckpointError(f"{p}: tensor {name} has shape {list(info.shape)}, the model "
                                               f"expects {list(s.shape)}")
         unit_files.append(p)
-    return TrainingCheckpoint(path, manifest, state, spec, unit_files)
+    return TrainingCheckpoint(path, manifest, state, spec, unit_files, saved_steps)
 
 
 def load_training_state(engine, ckpt: TrainingCheckpoint) -> dict:
@@ -586,7 +593,9 @@ class CheckpointSource:
         self.ckpt = open_training_state(resolve_checkpoint_path(Path(path)), verify=False)
         _verify_file(self.ckpt.path, TRAINER_STATE, self.ckpt.manifest["files"][TRAINER_STATE])
         self.spec = self.ckpt.spec
-        self.init = self.ckpt.state.get("config", {}).get("model", {}).get("init", "random")
+        config = self.ckpt.state.get("config", {})
+        self.tokenizer_dir = tokenizer_dir_of(config.get("model", {}).get("init", "random"),
+                                              config.get("data", {}).get("tokenizer"))
         self._verified = set()
         self._readers = Readers()
 

@@ -19,9 +19,9 @@ import torch
 from engine.config import MOE_MODEL_TYPES, ConfigError
 from engine.model import dense, moe
 from engine.model.layout import ParamSpec, UnitLayout
-from engine.model.rope import Rope, rope_tables
+from engine.model.rope import Positions, rope_tables
 
-__all__ = ["ModelSpec", "Unit", "ParamSpec", "UnitLayout", "Rope"]
+__all__ = ["ModelSpec", "Unit", "ParamSpec", "UnitLayout", "Positions"]
 
 
 @dataclass
@@ -112,7 +112,8 @@ class ModelSpec:
                           "published checkpoint (nor a depth-truncated copy of it: only model.num_hidden_layers may "
                           "be lowered)")
 
-    def rope(self, seq_len: int, device: torch.device | str) -> Rope:
+    def positions(self, seq_len: int, device: torch.device | str) -> Positions:
+        """The rotary tables of positions 0..seq_len-1 (`Positions.of_rows` re-indexes them for packed rows)."""
         return rope_tables(self.arch.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling, seq_len, device)
 
     def init_unit(self, unit: Unit, params: Dict[str, torch.Tensor], seed: int) -> None:
@@ -168,11 +169,11 @@ class ModelSpec:
     def embed(self, p, ids_BT):
         return dense.embed(p, ids_BT)
 
-    def layer(self, p, x_BTD, rope: Rope, layer: int):
+    def layer(self, p, x_BTD, pos: Positions, layer: int):
         """Decoder layer number `layer` (0-based; it picks the attention window) applied to x."""
         if not self.moe:
-            return self._layer_fn(p, x_BTD, rope, self.arch, self.compute)
-        y, aux, load = self._layer_fn(p, x_BTD, rope, self.arch, self.compute, self.layer_windows[layer])
+            return self._layer_fn(p, x_BTD, pos, self.arch, self.compute)
+        y, aux, load = self._layer_fn(p, x_BTD, pos, self.arch, self.compute, self.layer_windows[layer])
         return self.router_stats.attach(y, aux, load, layer)
 
     def recompute_stops_before_down_proj(self, chunked_mlp: bool) -> bool:
@@ -185,7 +186,7 @@ class ModelSpec:
         """Forward FLOPs per token that `layer_grads` leaves out of a layer's recompute."""
         return dense.down_proj_flops_per_token(self.arch) if self.recompute_stops_before_down_proj(chunked_mlp) else 0
 
-    def layer_grads(self, p, x_in, dy, rope: Rope, layer: int):
+    def layer_grads(self, p, x_in, dy, pos: Positions, layer: int):
         """(d x_in, {name: gradient} for every tensor of p) of decoder layer `layer` at x_in (a leaf that requires
         grad) for the output gradient dy: the forward recomputed with autograd, then back-propagated. A dense layer
         with an unchunked MLP recomputes up to the down projection only (`dense.decoder_layer_to_down_proj`) and
@@ -193,8 +194,8 @@ class ModelSpec:
         in full. Call under the run's autocast."""
         B, T, _ = x_in.shape
         if not self.recompute_stops_before_down_proj(dense.mlp_chunked(self.compute.mlp_chunk_tokens, B * T)):
-            return backprop(self.layer(p, x_in, rope, layer), x_in, p, dy)
-        x2, act = self._layer_to_down_fn(p, x_in, rope, self.arch, self.compute)
+            return backprop(self.layer(p, x_in, pos, layer), x_in, p, dy)
+        x2, act = self._layer_to_down_fn(p, x_in, pos, self.arch, self.compute)
         with torch.no_grad():
             d_act, d_down = dense.down_proj_backward(dy, act, p[dense.DOWN_PROJ])
         rest = {n: t for n, t in p.items() if n != dense.DOWN_PROJ}

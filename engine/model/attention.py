@@ -5,7 +5,7 @@ Backends (query head j reads kv head j // (nh / kv), the grouping of HF's repeat
   linear in the sequence length. CUDA (or the Triton interpreter, for CPU tests); head_dim a power of two in 16..128.
 - `sdpa`: torch's scaled_dot_product_attention with `enable_gqa` (its flash backend on CUDA for bf16/fp16).
 - `flash_attn`: the optional flash-attn package (bf16/fp16 on CUDA), when installed.
-- `auto`: `sdpa`. Measured on an H100 (bench/results/attention_h100_2026-12-05.jsonl): alone, the Triton kernel's
+- `auto`: `sdpa` (`triton` for packed rows on CUDA, see `resolve_attention`). Measured on an H100 (bench/results/attention_h100_2026-12-05.jsonl): alone, the Triton kernel's
   fwd+bwd is 1.04x SDPA's flash backend at 8K tokens and 1.20-1.22x from 32K to 512K (bench/bench_attention.py,
   contiguous [B, H, T, D] inputs); inside the compiled qwen7b layer at 32K tokens the engine ran 5,366 tok/s with it
   against 6,283 with SDPA (backward 4.26 s against 3.46 s; bench grid context_attention). The kernel then split the
@@ -20,9 +20,8 @@ A backend that was asked for and cannot run the shape or the device is an error 
 the engine is built), never a quiet switch to another one.
 
 The Triton kernel is a torch.library custom op (`layer_attention_forward`, streamtrain_kernels/attention.py): the
-compiled layer stays one graph with the kernel as an opaque node. Until commit b966e86 it ran outside the graph,
-under `torch.compiler.disable`, which split the layer in two with eager code between the halves: one suspect for
-the in-layer gap above.
+compiled layer stays one graph with the kernel as an opaque node. Measured that way on an H200 the compiled qwen7b
+layer at 32K still ran 0.87x SDPA's step (bench/results/long-context.md), so the gap is not the graph split.
 """
 
 from __future__ import annotations
@@ -44,13 +43,21 @@ def _triton_runs_on(device_type: str) -> bool:
     return device_type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_attention(requested: str, device_type: str, head_dim: int, sinks_or_window: bool = False) -> str:
+def resolve_attention(requested: str, device_type: str, head_dim: int, sinks_or_window: bool = False,
+                      packed: bool = False) -> str:
     """The concrete backend for `train.attention=requested` on this device and head size; raises ConfigError
     naming the value and what would be valid when the asked-for backend cannot run. `sinks_or_window`: the model
-    has attention sinks or sliding-window layers (gpt-oss), which only the Triton kernel computes."""
+    has attention sinks or sliding-window layers (gpt-oss), which only the Triton kernel computes. `packed`: the
+    rows hold several documents (data=text/chat); `auto` then takes the Triton kernel where it runs (it skips
+    other documents' keys; SDPA would need a dense T x T mask), and flash_attn is refused."""
     if requested not in ATTENTION_BACKENDS:
         raise ConfigError(f"train.attention={requested!r} is not valid; choose one of {', '.join(ATTENTION_BACKENDS)}")
     triton_fits = head_dim in HEAD_DIMS
+    if packed and requested == "flash_attn":
+        raise ConfigError("train.attention=flash_attn does not take the document boundaries of packed rows "
+                          "(data=text/chat); use train.attention=auto, triton or sdpa")
+    if packed and requested == "auto" and triton_fits and device_type == "cuda":
+        return "triton"
     if sinks_or_window:
         if requested not in ("auto", "triton"):
             raise ConfigError(f"train.attention={requested}: this model has attention sinks or sliding-window layers, "
@@ -85,12 +92,23 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
+def document_mask(doc_start_BT: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, T, T]: query i sees key j iff doc_start[i] <= j <= i (causal, within its own document)."""
+    T = doc_start_BT.shape[1]
+    j = torch.arange(T, device=doc_start_BT.device, dtype=torch.int32)
+    return ((j[None, None, :] <= j[None, :, None]) & (j[None, None, :] >= doc_start_BT[:, :, None])).unsqueeze(1)
+
+
 def causal_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
                      backend: str = "sdpa", window: Optional[int] = None,
-                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     sinks: Optional[torch.Tensor] = None,
+                     doc_start_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Returns [B, T, nh*hd] in the compute dtype. Scale hd**-0.5, causal, no dropout. `backend`: a resolved
     name (not `auto`). `window` (keys seen per query, itself included) and `sinks` (fp32 [nh] logits, gpt-oss) are
-    computed by the Triton kernel only; `resolve_attention` refuses the other backends for models that use them."""
+    computed by the Triton kernel only; `resolve_attention` refuses the other backends for models that use them.
+    `doc_start_BT` (packed rows, engine/batch.py): each query sees its own document only; the Triton kernel skips
+    the key blocks of other documents, SDPA takes a dense [T, T] mask (T^2 bytes per row: for the CPU and short
+    rows), flash_attn refuses it."""
     dtype = _compute_dtype(q_BHTD)
     B, nh, T, hd = q_BHTD.shape
     q, k, v = (t.to(dtype) for t in (q_BHTD, k_BHTD, v_BHTD))
@@ -98,13 +116,19 @@ def causal_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.T
         raise ValueError(f"causal_attention: backend {backend!r} computes neither sliding windows nor sinks; "
                          "use triton")
     if backend == "triton":
-        out = layer_attention_forward(q, k, v, window, sinks)[0]
+        out = layer_attention_forward(q, k, v, window, sinks, doc_start_BT)[0]
     elif backend == "flash_attn":
+        if doc_start_BT is not None:
+            raise ValueError("causal_attention: flash_attn does not take document boundaries; use triton or sdpa")
         from flash_attn import flash_attn_func
 
         return flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True).reshape(B, T, nh * hd)
     elif backend == "sdpa":
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != nh)
+        if doc_start_BT is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != nh)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_start_BT),
+                                                 enable_gqa=k.shape[1] != nh)
     else:
         raise ValueError(f"causal_attention: backend {backend!r} is not a resolved backend (triton, sdpa, flash_attn)")
     return out.transpose(1, 2).reshape(B, T, nh * hd)

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from streamtrain_kernels.cross_entropy import fused_linear_cross_entropy
 from engine.model.attention import causal_attention
 from engine.model.layout import ParamSpec
-from engine.model.rope import Rope, apply_rope
+from engine.model.rope import Positions, apply_rope
 
 Params = Dict[str, torch.Tensor]
 
@@ -170,7 +170,7 @@ def _mlp(p: Params, x_BTD: torch.Tensor, a: DenseArch, chunk_tokens: int) -> tor
     return torch.cat(parts).view(B, T, D)
 
 
-def attention_residual(p: Params, x_BTD: torch.Tensor, rope: Rope, a, c: LayerCompute = LayerCompute(),
+def attention_residual(p: Params, x_BTD: torch.Tensor, pos: Positions, a, c: LayerCompute = LayerCompute(),
                        window: Optional[int] = None) -> torch.Tensor:
     """x + attention(norm(x)): the first half of a decoder layer, shared with the MoE templates (engine/model/moe.py).
     `a` is any arch with heads, kv_heads, head_dim, eps and qk_norm; biases and sinks are used when `p` has them."""
@@ -184,25 +184,26 @@ def attention_residual(p: Params, x_BTD: torch.Tensor, rope: Rope, a, c: LayerCo
     if a.qk_norm:
         q = rms_norm(q, p["self_attn.q_norm.weight"], a.eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], a.eps)
-    q = apply_rope(q.transpose(1, 2), rope)
-    k = apply_rope(k.transpose(1, 2), rope)
+    q = apply_rope(q.transpose(1, 2), pos)
+    k = apply_rope(k.transpose(1, 2), pos)
     v = v.view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
-    attn = causal_attention(q, k, v, c.attention, window=window, sinks=p.get("self_attn.sinks"))
+    attn = causal_attention(q, k, v, c.attention, window=window, sinks=p.get("self_attn.sinks"),
+                            doc_start_BT=pos.doc_start_BT)
     return x_BTD + F.linear(attn, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
 
 
-def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: DenseArch,
+def decoder_layer(p: Params, x_BTD: torch.Tensor, pos: Positions, a: DenseArch,
                   c: LayerCompute = LayerCompute()) -> torch.Tensor:
-    return _mlp(p, attention_residual(p, x_BTD, rope, a, c), a, c.mlp_chunk_tokens)
+    return _mlp(p, attention_residual(p, x_BTD, pos, a, c), a, c.mlp_chunk_tokens)
 
 
-def decoder_layer_to_down_proj(p: Params, x_BTD: torch.Tensor, rope: Rope, a: DenseArch,
+def decoder_layer_to_down_proj(p: Params, x_BTD: torch.Tensor, pos: Positions, a: DenseArch,
                                c: LayerCompute = LayerCompute()):
     """(the MLP block's input x2 [B, T, D], the down projection's input act [B, T, I]): `decoder_layer` without its
     last matmul, whose output the backward never reads (layer output = x2 + act @ W_down^T). The recompute of a
     layer's backward stops here (`down_proj_backward` does the rest): 2*D*I FLOPs per token less, 27% of a qwen7b
     layer's forward (`down_proj_flops_per_token`). An unchunked MLP only (a chunked one checkpoints whole blocks)."""
-    x2 = attention_residual(p, x_BTD, rope, a, c)
+    x2 = attention_residual(p, x_BTD, pos, a, c)
     return x2, _down_proj_input(x2, p["post_attention_layernorm.weight"], p["mlp.gate_proj.weight"],
                                 p["mlp.up_proj.weight"], a.eps)
 

@@ -56,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.model import dense
 from engine.model.layout import ParamSpec
-from engine.model.rope import Rope
+from engine.model.rope import Positions
 
 Params = Dict[str, torch.Tensor]
 
@@ -234,10 +234,10 @@ def _routed_block(p: Params, x_ND: torch.Tensor, a: MoeArch):
     return x_ND + experts(p, y_ND, weights, chosen, load, a, x_ND.dtype), load, prob_sum
 
 
-def decoder_layer(p: Params, x_BTD: torch.Tensor, rope: Rope, a: MoeArch,
+def decoder_layer(p: Params, x_BTD: torch.Tensor, pos: Positions, a: MoeArch,
                   c: dense.LayerCompute = dense.LayerCompute(), window: Optional[int] = None):
     """(layer output [B, T, D], this layer's balance loss (fp32 scalar), per-expert load [E] int64)."""
-    x_BTD = dense.attention_residual(p, x_BTD, rope, a, c, window)
+    x_BTD = dense.attention_residual(p, x_BTD, pos, a, c, window)
     B, T, D = x_BTD.shape
     x_ND = x_BTD.reshape(B * T, D)
     chunk = c.mlp_chunk_tokens

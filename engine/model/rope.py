@@ -1,4 +1,5 @@
-"""Rotary position embeddings: inverse frequencies (default, Llama 3.1 rescaling, YaRN) and cos/sin tables.
+"""Rotary position embeddings: inverse frequencies (default, Llama 3.1 rescaling, YaRN), cos/sin tables, and the
+per-micro-batch `Positions` the layer templates take.
 
 Computed in fp32 with autocast off, as transformers does; the tables are [T, head_dim] with the frequencies repeated
 for the two halves (the rotate-half convention of HF checkpoints). YaRN (gpt-oss) blends interpolated and original
@@ -10,14 +11,36 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 
 @dataclass
-class Rope:
-    cos_TD: torch.Tensor  # fp32 [T, head_dim]
-    sin_TD: torch.Tensor
+class Positions:
+    """Where a micro-batch's tokens sit: the rotary cos/sin of each token's position, and for packed rows the
+    document layout attention masks by (engine/batch.py). Unpacked rows share one [T, head_dim] table (positions
+    0..T-1); packed rows gather theirs per token, [B, 1, T, head_dim], from the same table, so a document's tokens
+    get exactly the values they would get alone."""
+    cos: torch.Tensor  # fp32 [T, head_dim] or [B, 1, T, head_dim]
+    sin: torch.Tensor
+    doc_start_BT: Optional[torch.Tensor] = None  # int32 [B, T]; None: one document per row
+
+    @property
+    def table_len(self) -> int:
+        return self.cos.shape[-2]
+
+    def of_rows(self, doc_start_BT: Optional[torch.Tensor]) -> "Positions":
+        """These (unpacked) tables re-indexed for packed rows: token i of a row gets position i - doc_start[i]."""
+        if doc_start_BT is None:
+            return self
+        T = doc_start_BT.shape[1]
+        if self.cos.dim() != 2 or T > self.table_len:
+            raise ValueError(f"Positions.of_rows: needs an unpacked table of at least {T} positions, got "
+                             f"{tuple(self.cos.shape)}")
+        doc_start_BT = doc_start_BT.to(device=self.cos.device, dtype=torch.int32)
+        pos_BT = (torch.arange(T, device=self.cos.device, dtype=torch.int32) - doc_start_BT).long()
+        return Positions(self.cos[pos_BT].unsqueeze(1), self.sin[pos_BT].unsqueeze(1), doc_start_BT)
 
 
 def inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -68,7 +91,7 @@ def attention_factor(scaling: dict | None) -> float:
 
 
 def rope_tables(head_dim: int, theta: float, scaling: dict | None, seq_len: int,
-                device: torch.device | str = "cpu") -> Rope:
+                device: torch.device | str = "cpu") -> Positions:
     freq = inv_freq(head_dim, theta, scaling).to(device)
     with torch.autocast(device_type=torch.device(device).type, enabled=False):
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)
@@ -76,8 +99,8 @@ def rope_tables(head_dim: int, theta: float, scaling: dict | None, seq_len: int,
         emb = torch.cat((angles, angles), dim=-1)
         scale = attention_factor(scaling)
         if scale == 1.0:
-            return Rope(emb.cos(), emb.sin())
-        return Rope(emb.cos() * scale, emb.sin() * scale)
+            return Positions(emb.cos(), emb.sin())
+        return Positions(emb.cos() * scale, emb.sin() * scale)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -85,6 +108,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x_BHTD: torch.Tensor, rope: Rope) -> torch.Tensor:
+def apply_rope(x_BHTD: torch.Tensor, pos: Positions) -> torch.Tensor:
     """Rotation in fp32 (the tables are fp32, so type promotion lifts bf16 inputs), as HF does under autocast."""
-    return x_BHTD * rope.cos_TD + rotate_half(x_BHTD) * rope.sin_TD
+    return x_BHTD * pos.cos + rotate_half(x_BHTD) * pos.sin

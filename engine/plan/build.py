@@ -7,7 +7,8 @@ from dataclasses import replace
 from typing import List, Optional
 
 from engine.execution import Execution
-from engine.formats import StateFormat, all_formats
+from engine.config import exact_state_required
+from engine.formats import FIELDS, StateFormat, all_formats, candidate_formats, format_is_open
 from engine.plan.memory import GIB, MemoryPlan, PlanError
 from engine.plan.reference import reference_plan
 from engine.plan.stream import StreamPlanner
@@ -20,10 +21,13 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
     the host rows are those of the rank holding the most. `execution`: what the run executes (the trainer's, so that
     both price the same run), resolved from the config when not given. `check`: raise PlanError when it does not
     fit, with the table and what would fit. Where `host_gib` comes from (a `HostBudget`'s source, engine/hardware.py)
-    is the plan's `host_source`."""
+    is the plan's `host_source`. State-format fields left `auto` are resolved in `cfg` first (`choose_state_format`);
+    the plan's `format_choice` says what was chosen."""
     ex = execution or Execution.of(spec, cfg, on_gpu)
+    choice = choose_state_format(spec, cfg, gpu_gib, host_gib, ex, state_ranks)
     fmt = StateFormat.of(cfg.train)
     plan = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
+    plan.format_choice = choice or f"state format: {fmt.overrides()} (as configured)"
     plan.host_source = getattr(host_gib, "source", "")
     plan.gpu_cap_gib = cfg.hardware.gpu_mem_cap_gib
     if plan.problem():
@@ -32,6 +36,35 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
     if check and plan.problem():
         raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
     return plan
+
+
+def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, state_ranks: int = 1) -> str:
+    """Resolve `train.master_dtype/moments_dtype/grad_dtype=auto` in `cfg`: the most precise format the set fields
+    allow with which the engine's plan fits (all-fp32 only where a setting needs exact state). When none fits, the
+    most precise one is kept and the plan's refusal names it and what would fit. Returns a line for the start banner
+    ('' when every field was set)."""
+    t = cfg.train
+    if not format_is_open(t):
+        return ""
+    candidates = candidate_formats(t, exact_only=exact_state_required(cfg))
+    chosen, tried = None, 0
+    for fmt in candidates:
+        tried += 1
+        try:
+            plan = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
+        except PlanError:  # the config fixes a placement this format cannot take
+            continue
+        if not plan.problem():
+            chosen = fmt
+            break
+    fits = chosen is not None
+    chosen = chosen or candidates[0]
+    for f in FIELDS:
+        t[f] = getattr(chosen, f.split("_")[0])
+    why = ("the most precise that fits" if tried == 1 else
+           f"the most precise that fits ({tried - 1} more precise do not)") if fits else \
+        "none of the allowed formats fits; planning the most precise"
+    return f"state format: {chosen.overrides()} ({why}; train.*_dtype=auto)"
 
 
 def _engine_plan(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, fmt: StateFormat,

@@ -25,6 +25,7 @@ class MemoryPlan:
     binding: str = ""
     speeds: str = ""  # where the time model's figures come from
     suggestions: List[str] = field(default_factory=list)  # smaller state formats that fit, for a refusal
+    format_choice: str = ""  # how `auto` state formats were resolved (engine/plan/build.py), for the banner
     notes: List[str] = field(default_factory=list)  # for a refusal: what else was tried
     # where the host limit comes from (engine/hardware.py, host_budget: measured, hardware.host_mem_gib or the
     # profile's), for the table and a refusal; "" unknown
@@ -99,6 +100,8 @@ class MemoryPlan:
             lines.append(f"{tier:6} {'TOTAL':66} {self.total(tier) / GIB:10.3f}{lim}")
         if self.host_source:
             lines.append(f"host memory planned with: {self.limits_gib.get('host', 0.0):.1f} GiB ({self.host_source})")
+        if self.format_choice:
+            lines.append(self.format_choice)
         if self.placement:
             lines.append("placement: " + ", ".join(f"{k}={v}" for k, v in self.placement_settings().items()))
         if self.times_s:

@@ -90,7 +90,9 @@ from engine.distributed import SINGLE, DataParallel, state_owners
 from engine.device import Device, autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
 from streamtrain_kernels.grad_accum import to_bf16_stochastic
+from engine.batch import Batch, loss_tokens
 from engine.model import ModelSpec, backprop
+from engine.model.rope import Positions
 from engine.optim import FlatAdamW
 from engine.placement import Placement
 from engine.streaming.activations import ActivationStore
@@ -100,8 +102,6 @@ from engine.streaming.nvme import MomentFile, NvmeError
 from engine.streaming.slots import Slot, WeightLoader
 from engine.streaming.stall_timer import StallTimer
 from engine.streaming.streamed_update import StreamedUpdater
-
-Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
 class OptimizerPassError(RuntimeError):
@@ -259,7 +259,8 @@ class StreamEngine:
         self.activations = ActivationStore(self.dev, self.h2d, self.d2h, self.store.activations,
                                            self.stored_inputs, M, self.shape_BTD, self.timer)
         self.regenerated: Dict[Tuple[int, int], torch.Tensor] = {}  # (input index, micro-batch) -> layer input
-        self.rope = spec.rope(t.seq_len, device)
+        self.tables = spec.positions(t.seq_len, device)
+        self.pos: List[Positions] = []  # the current step's micro-batches' positions
         self.version = 0  # number of optimizer passes submitted: the weights' generation
         self.updated = [threading.Event() for _ in spec.units]
         for ev in self.updated:
@@ -371,6 +372,9 @@ class StreamEngine:
         self._ensure_loaded(window[1:], busy=window, wait=False)
 
     def _weights(self, unit: int) -> Dict[str, torch.Tensor]:
+        """Unit's weights for compute, loaded now where no look-ahead loaded them (a ring of one slot, for a
+        one-layer model, looks ahead at nothing: the head after the last layer included)."""
+        self._ensure_loaded([unit], busy=[unit])
         slot = self._slot_for(unit, [unit])
         self.timer.wait(slot.ready, "weights")
         return self.loader.bind(unit, slot)
@@ -483,11 +487,11 @@ class StreamEngine:
                         self.activations.put(k - 1, m, x[m])
                     if kept:
                         x_in = x[m].detach().requires_grad_()
-                        y = spec.layer(p, x_in, self.rope, k - 1)
+                        y = spec.layer(p, x_in, self.pos[m], k - 1)
                         self.graphs[(k, m)] = (x_in, y, p)
                         x[m] = y.detach()
                     else:
-                        x[m] = spec.layer(p, x[m], self.rope, k - 1)
+                        x[m] = spec.layer(p, x[m], self.pos[m], k - 1)
             self._release(k)
             self._load_ahead(order, k, wait=True)  # the last layer's window holds the head
         return x
@@ -542,7 +546,7 @@ class StreamEngine:
                 else:
                     x_in = self._layer_input(unit - 1, m).requires_grad_()
                     with autocast_ctx(self.dev.device, self.compute_dtype):
-                        dx[m], layer_grads = spec.layer_grads(p, x_in, dx[m], self.rope, unit - 1)
+                        dx[m], layer_grads = spec.layer_grads(p, x_in, dx[m], self.pos[m], unit - 1)
                 acc.add(layer_grads, self._sq_norms_out(unit, m == len(dx) - 1))
                 del layer_grads, x_in
             self._release(unit)
@@ -570,7 +574,7 @@ class StreamEngine:
             p = self._enter(order, k)
             with torch.no_grad(), autocast_ctx(self.dev.device, self.compute_dtype):
                 for m in range(micro_batches):
-                    x[m] = spec.layer(p, x[m], self.rope, unit - 1)
+                    x[m] = spec.layer(p, x[m], self.pos[m], unit - 1)
                     self.regenerated[(unit, m)] = x[m]
             self._release(unit)
 
@@ -587,10 +591,10 @@ class StreamEngine:
     def train_step(self, batches: Sequence[Batch], lr: float, grad_hook=None) -> dict:
         t0 = time.perf_counter()
         self.optimizer_wait_s = 0.0
-        n_tokens = sum(labels.numel() for _, labels in batches) * self.dp.world  # every rank runs the same shapes
-        self.spec.begin_step(n_tokens)
-        ids = [i.to(self.dev.device, non_blocking=True) for i, _ in batches]
-        labels = [lab.to(self.dev.device, non_blocking=True) for _, lab in batches]
+        step_tokens = sum(b.tokens for b in batches) * self.dp.world  # every rank runs the same shapes
+        self.spec.begin_step(step_tokens)
+        n_tokens = loss_tokens(batches, self.dp)
+        ids, labels = self._upload(batches, non_blocking=True)
         self.gpu_grads: Dict[int, GradAccumulator] = {}
         self.grad_landed: Dict[int, object] = {}
         if self.dp.active:  # each rank writes its units' entries; the others must be zero, not the last step's sums
@@ -654,7 +658,7 @@ class StreamEngine:
         self.pending = self.pool.submit(self._optimizer_pass, coef, lr, skipped, dict(self.gpu_grads),
                                         dict(self.grad_landed), self.version)
         record = {"loss": float(loss_total), "grad_norm": norm_value, "skipped": skipped,
-                  "skipped_steps": self.skipped_steps, "tokens": n_tokens,
+                  "skipped_steps": self.skipped_steps, "tokens": step_tokens, "loss_tokens": n_tokens,
                   "step_s": time.perf_counter() - t0, "optimizer_s": previous_optimizer_s,
                   "optimizer_wait_s": self.optimizer_wait_s}
         record.update(previous_nvme_io)  # the previous optimizer pass's disk traffic, like optimizer_s
@@ -754,8 +758,7 @@ class StreamEngine:
     def eval_loss(self, batches: Sequence[Batch]) -> float:
         self.timer.reset()
         self.timer.previous_end = None  # the next step's gap would otherwise count this evaluation
-        ids = [i.to(self.dev.device) for i, _ in batches]
-        labels = [lab.to(self.dev.device) for _, lab in batches]
+        ids, labels = self._upload(batches)
         x = self._forward(ids, keep=False)
         head = self.spec.num_layers + 1
         p = self._weights(head)
@@ -766,7 +769,13 @@ class StreamEngine:
                 total += self.spec.loss_sum(p, x_m, lab, tied).double()
         self._release(head)
         self._release(0)
-        return float(total) / sum(lab.numel() for lab in labels)
+        return float(total) / loss_tokens(batches)
+
+    def _upload(self, batches: Sequence[Batch], non_blocking: bool = False):
+        """The micro-batches' ids and labels on the GPU, and their positions in `self.pos`."""
+        on_gpu = [b.to(self.dev.device, non_blocking=non_blocking) for b in batches]
+        self.pos = [self.tables.of_rows(b.doc_start_BT) for b in on_gpu]
+        return [b.ids_BT for b in on_gpu], [b.labels_BT for b in on_gpu]
 
     def _views(self, which: str, index: int) -> Dict[str, torch.Tensor]:
         return self.store.layouts[index].views(getattr(self, which)[index])
