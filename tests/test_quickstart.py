@@ -24,7 +24,7 @@ from engine.model import ModelSpec, dense
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = 1000  # fewer than the default 3000: tokenizing them is a third of the time
-STEPS = 30
+STEPS = 20
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def made(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_dir(made, tmp_path_factory):
-    """The run dir of the printed train command, shortened to 30 steps (validation at step 0 and the end)."""
+    """The run dir of the printed train command, shortened to 20 steps (validation at step 0 and the end)."""
     out, stdout = made
     command = quickstart.train_command(out)
     assert f"  {command}\n" in stdout  # printed as it is run here

@@ -48,8 +48,13 @@ def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Executio
         return ""
     candidates = candidate_formats(t, exact_only=exact_state_required(cfg))
     chosen, tried = None, 0
+    numel = sum(u.layout.numel for u in spec.units)
     for fmt in candidates:
         tried += 1
+        # master and moments live on the host or the GPU (without an NVMe tier): a format whose state alone
+        # exceeds both cannot fit, and is skipped without planning it
+        if not cfg.hardware.nvme_dir and fmt.state_bytes(numel) / state_ranks > (host_gib + gpu_gib) * GIB:
+            continue
         try:
             plan = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
         except PlanError:  # the config fixes a placement this format cannot take
