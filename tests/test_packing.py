@@ -49,20 +49,19 @@ def packed_batch(docs) -> Batch:
     return Batch(torch.cat(ids)[None], torch.cat(labels)[None], torch.cat(starts)[None])
 
 
-def alone_batches(docs):
+def alone_batch(docs) -> Batch:
     """Each document alone in a row of its own, padded after it with unlabelled tokens."""
-    rows = []
-    for doc in docs:
-        pad = SEQ - len(doc)
-        rows.append(Batch(torch.cat([doc, torch.full((pad,), PAD)])[None],
-                          torch.cat([_doc_labels(doc), torch.full((pad,), IGNORE_INDEX)])[None]))
-    return rows
+    pads = [SEQ - len(doc) for doc in docs]
+    return Batch(torch.stack([torch.cat([doc, torch.full((pad,), PAD)]) for doc, pad in zip(docs, pads)]),
+                 torch.stack([torch.cat([_doc_labels(doc), torch.full((pad,), IGNORE_INDEX)])
+                              for doc, pad in zip(docs, pads)]))
 
 
-def _step(engine: str, batches, overrides=()):
-    """The loss of one step and every unit's gradient (before clipping), from the engine's test hook."""
-    cfg = make_cfg([f"engine={engine}", *SMALL, f"train.seq_len={SEQ}", "train.micro_batch_size=1",
-                    f"train.grad_accum={len(batches)}", *overrides])
+def _step(engine: str, batch: Batch, overrides=()):
+    """The loss of one step over one micro-batch and every unit's gradient (before clipping), from the engine's
+    test hook."""
+    cfg = make_cfg([f"engine={engine}", *SMALL, f"train.seq_len={SEQ}",
+                    f"train.micro_batch_size={batch.ids_BT.shape[0]}", "train.grad_accum=1", *overrides])
     spec = ModelSpec(cfg.model)
     cpu = torch.device("cpu")
     plan = build_plan(spec, cfg, 0.0, 64.0, on_gpu=False)
@@ -72,7 +71,7 @@ def _step(engine: str, batches, overrides=()):
     def hook(unit, named):
         grads.update({f"{unit}.{name}": g.detach().clone() for name, g in named.items()})
     try:
-        loss = eng.train_step(batches, 1e-3, grad_hook=hook)["loss"]
+        loss = eng.train_step([batch], 1e-3, grad_hook=hook)["loss"]
     finally:
         eng.close()
     return loss, grads
@@ -83,15 +82,12 @@ def test_a_packed_row_trains_like_its_documents_alone(engine, attention):
     """With SDPA the row's attention takes a dense document mask; the Triton kernel (run by the interpreter here)
     skips other documents' key blocks."""
     docs = _documents(256)
-    packed, alone = packed_batch(docs), alone_batches(docs)
-    assert loss_tokens([packed]) == loss_tokens(alone) == sum(DOCS) - len(DOCS)
-    # the packed row is one micro-batch of grad_accum=1, the documents three: pad the packed step with two rows
-    # that count nothing, so both steps have the same micro-batch count and divisor
-    blank = Batch(torch.full((1, SEQ), PAD), torch.full((1, SEQ), IGNORE_INDEX))
+    packed, alone = packed_batch(docs), alone_batch(docs)
+    assert loss_tokens([packed]) == loss_tokens([alone]) == sum(DOCS) - len(DOCS)
     backend = [f"train.attention={attention}", "model.head_dim=16"]  # 16: a head size the Triton kernel takes
     if attention == "triton":  # the interpreter runs every kernel program in Python: one layer, two heads
         backend += ["model.num_hidden_layers=1", "model.num_attention_heads=2", "model.num_key_value_heads=1"]
-    loss_p, grads_p = _step(engine, [packed, blank, blank], backend)
+    loss_p, grads_p = _step(engine, packed, backend)
     loss_a, grads_a = _step(engine, alone, backend)
     assert loss_p == pytest.approx(loss_a, rel=1e-6)
     assert grads_p.keys() == grads_a.keys()
@@ -102,7 +98,7 @@ def test_a_packed_row_trains_like_its_documents_alone(engine, attention):
         return  # tests/kernels/test_attention.py checks what the kernel computes without document starts
     # the comparison can fail: the same row without its document layout computes something else
     unmasked = Batch(packed.ids_BT, packed.labels_BT)
-    loss_u, _ = _step(engine, [unmasked, blank, blank], backend)
+    loss_u, _ = _step(engine, unmasked, backend)
     assert abs(loss_u - loss_a) > 1e-3
 
 

@@ -361,7 +361,7 @@ def test_the_formats_a_sharded_refusal_suggests_are_planned_with_the_shards():
 
 @pytest.mark.parametrize("model, hw, expected", [
     ("qwen32b", "h200", "train.master_dtype=bf16 train.moments_dtype=int8 train.grad_dtype=bf16"),
-    ("qwen0_5b", "h100", "train.master_dtype=fp32 train.moments_dtype=fp32 train.grad_dtype=fp32"),
+    ("qwen7b", "h100", "train.master_dtype=fp32 train.moments_dtype=fp32 train.grad_dtype=fp32"),
 ])
 def test_auto_state_formats_take_the_most_precise_that_fits(model, hw, expected):
     cfg = make_cfg([f"model={model}", f"hardware={hw}", "plan=true"])
