@@ -53,13 +53,6 @@ class Batch:
             return None if t is None else t.to(device, non_blocking=non_blocking)
         return Batch(move(self.ids_BT), move(self.labels_BT), move(self.doc_start_BT))
 
-    def positions_BT(self) -> Optional[torch.Tensor]:
-        """Rotary positions, restarting at each document (None: 0..T-1 in every row)."""
-        if self.doc_start_BT is None:
-            return None
-        T = self.ids_BT.shape[1]
-        return torch.arange(T, device=self.ids_BT.device, dtype=torch.int32) - self.doc_start_BT
-
 
 def loss_tokens(batches: Sequence[Batch], dp=None) -> int:
     """The positions counted in the loss over a step's micro-batches, summed over the data-parallel ranks of `dp`

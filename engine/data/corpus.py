@@ -81,20 +81,43 @@ class TokenData(abc.ABC):
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint
         self.description = description
+        self._permutations: Dict[Tuple[str, int], np.ndarray] = {}
 
     @abc.abstractmethod
     def num_sequences(self, split: str) -> int:
         """Rows in one epoch of the split."""
 
-    def _windows(self, split: str, first: int, count: int) -> torch.Tensor:
-        """Positions first ... first+count-1 of the split's endless order, as int64 [count, seq_len+1] (the token
-        streams: ids are w[:-1], labels w[1:])."""
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def _batch(self, split: str, first: int, count: int) -> Batch:
         """Rows first ... first+count-1 of the split's endless order."""
-        windows_BW = self._windows(split, first, count)
-        return Batch(windows_BW[:, :-1].contiguous(), windows_BW[:, 1:].contiguous())
+
+    def _permutation(self, split: str, epoch: int) -> np.ndarray:
+        """The split's rows in the order of `epoch`: reshuffled per epoch (seeded by the run's seed) for training,
+        one fixed order for validation, the same for every run seed."""
+        key = (split, epoch if split == "train" else 0)
+        perm = self._permutations.get(key)
+        if perm is None:
+            g = torch.Generator()
+            g.manual_seed(_mix("train", self.seed, epoch) if split == "train" else _mix("val"))
+            n = self.num_sequences(split)
+            perm = torch.randperm(n, generator=g, dtype=torch.int32 if n < 2**31 else torch.int64).numpy()
+            # Bounded cache: the epochs next to this one, which a batch or a sequential reader can straddle.
+            for k in [k for k in list(self._permutations) if k[0] == split and abs(k[1] - key[1]) > 1]:
+                self._permutations.pop(k, None)
+            self._permutations[key] = perm
+        return perm
+
+    def _order(self, split: str, first: int, count: int) -> np.ndarray:
+        """Row indices at positions first ... first+count-1 of the split's endless order (epoch after epoch)."""
+        n = self.num_sequences(split)
+        rows = np.empty(count, dtype=np.int64)
+        done = 0
+        while done < count:
+            epoch, within = divmod(first + done, n)
+            take = min(count - done, n - within)
+            rows[done:done + take] = self._permutation(split, epoch)[within:within + take]
+            done += take
+        return rows
 
     def batch(self, split: str, index: int, batch_size: int) -> Batch:
         """Rows index*B ... index*B+B-1 of the split's order: int64 CPU tensors [batch_size, seq_len] (labels: the
@@ -107,12 +130,24 @@ class TokenData(abc.ABC):
         return self._batch(split, index * batch_size, batch_size)
 
 
+class WindowData(TokenData):
+    """A source served as windows of seq_len+1 tokens: ids are w[:-1], labels w[1:]."""
+
+    @abc.abstractmethod
+    def _windows(self, split: str, first: int, count: int) -> torch.Tensor:
+        """Positions first ... first+count-1 of the split's endless order, as int64 [count, seq_len+1]."""
+
+    def _batch(self, split: str, first: int, count: int) -> Batch:
+        windows_BW = self._windows(split, first, count)
+        return Batch(windows_BW[:, :-1].contiguous(), windows_BW[:, 1:].contiguous())
+
+
 def _check_split(split: str) -> None:
     if split not in SPLITS:
         raise DataError(f"split={split!r} is not valid; choose one of {', '.join(SPLITS)}")
 
 
-class CorpusData(TokenData):
+class CorpusData(WindowData):
     """A token stream held as a 1-D numpy array (in RAM or memory-mapped), cut into train/val windows."""
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, seed: int, val_fraction: float, vocab_size: int,
@@ -131,7 +166,6 @@ class CorpusData(TokenData):
                                 f"one window of seq_len+1={seq_len + 1} (n_tokens={n_tokens}, "
                                 f"val_fraction={val_fraction}); {hint}lower train.seq_len or use a larger corpus")
             self._n_seqs[split] = (hi - lo - 1) // seq_len
-        self._permutations: Dict[Tuple[str, int], np.ndarray] = {}
         description = dict(description, n_tokens=n_tokens, n_train_tokens=val_start,
                            n_val_tokens=n_tokens - val_start, n_train_seqs=self._n_seqs["train"],
                            n_val_seqs=self._n_seqs["val"], seq_len=seq_len, seed=seed, vocab_size=vocab_size,
@@ -143,20 +177,6 @@ class CorpusData(TokenData):
         _check_split(split)
         return self._n_seqs[split]
 
-    def _permutation(self, split: str, epoch: int) -> np.ndarray:
-        key = (split, epoch if split == "train" else 0)
-        perm = self._permutations.get(key)
-        if perm is None:
-            g = torch.Generator()
-            g.manual_seed(_mix("train", self.seed, epoch) if split == "train" else _mix("val"))
-            n = self._n_seqs[split]
-            perm = torch.randperm(n, generator=g, dtype=torch.int32 if n < 2**31 else torch.int64).numpy()
-            # Bounded cache: the epochs next to this one, which a batch or a sequential reader can straddle.
-            for k in [k for k in list(self._permutations) if k[0] == split and abs(k[1] - key[1]) > 1]:
-                self._permutations.pop(k, None)
-            self._permutations[key] = perm
-        return perm
-
     def window_starts(self, split: str, index: int, batch_size: int) -> np.ndarray:
         """Stream offsets of the first token of each row of batch(split, index, batch_size), int64 [batch_size].
         For audits (leakage, coverage) and tests; batch() reads tokens[start : start + seq_len + 1]."""
@@ -164,15 +184,7 @@ class CorpusData(TokenData):
         return self._starts(split, index * batch_size, batch_size)
 
     def _starts(self, split: str, first: int, count: int) -> np.ndarray:
-        n = self._n_seqs[split]
-        seqs = np.empty(count, dtype=np.int64)
-        done = 0
-        while done < count:
-            epoch, within = divmod(first + done, n)
-            take = min(count - done, n - within)
-            seqs[done:done + take] = self._permutation(split, epoch)[within:within + take]
-            done += take
-        return self._regions[split][0] + seqs * self.seq_len
+        return self._regions[split][0] + self._order(split, first, count) * self.seq_len
 
     def _windows(self, split: str, first: int, count: int) -> torch.Tensor:
         starts = self._starts(split, first, count)
@@ -180,7 +192,7 @@ class CorpusData(TokenData):
         return torch.from_numpy(np.asarray(self.tokens[starts[:, None] + offsets], dtype=np.int64))
 
 
-class SyntheticData(TokenData):
+class SyntheticData(WindowData):
     """Uniform random ids; sequence k of a split is drawn from a generator seeded with (seed, split, k)."""
 
     def __init__(self, *, seq_len: int, seed: int, vocab_size: int):

@@ -643,7 +643,6 @@ class DocumentData(TokenData):
                  fingerprint: str, description: dict):
         self._splits = splits
         self.pad_id = pad_id
-        self._permutations: Dict[Tuple[str, int], np.ndarray] = {}
         super().__init__(seq_len=seq_len, seed=seed, vocab_size=vocab_size, fingerprint=fingerprint,
                          description=description)
 
@@ -651,33 +650,10 @@ class DocumentData(TokenData):
         _check_split(split)
         return self._splits[split].n_rows
 
-    def _permutation(self, split: str, epoch: int) -> np.ndarray:
-        key = (split, epoch if split == "train" else 0)
-        perm = self._permutations.get(key)
-        if perm is None:
-            g = torch.Generator()
-            g.manual_seed(_mix("train", self.seed, epoch) if split == "train" else _mix("val"))
-            perm = torch.randperm(self._splits[split].n_rows, generator=g).numpy()
-            for k in [k for k in list(self._permutations) if k[0] == split and abs(k[1] - key[1]) > 1]:
-                self._permutations.pop(k, None)
-            self._permutations[key] = perm
-        return perm
-
-    def _rows(self, split: str, first: int, count: int) -> np.ndarray:
-        n = self._splits[split].n_rows
-        rows = np.empty(count, dtype=np.int64)
-        done = 0
-        while done < count:
-            epoch, within = divmod(first + done, n)
-            take = min(count - done, n - within)
-            rows[done:done + take] = self._permutation(split, epoch)[within:within + take]
-            done += take
-        return rows
-
     def row_indices(self, split: str, index: int, batch_size: int) -> np.ndarray:
         """Which packed rows batch(split, index, batch_size) holds, in order (for audits and tests)."""
         _check_split(split)
-        return self._rows(split, index * batch_size, batch_size)
+        return self._order(split, index * batch_size, batch_size)
 
     def row_pieces(self, split: str, row: int) -> List[Tuple[int, int]]:
         """(start in the split's token array, length) of each document piece of a packed row, in row order."""
@@ -690,7 +666,7 @@ class DocumentData(TokenData):
         ids = np.full((count, T), self.pad_id, dtype=np.int64)
         labels = np.full((count, T), IGNORE_INDEX, dtype=np.int64)
         doc_start = np.zeros((count, T), dtype=np.int32)
-        for b, row in enumerate(self._rows(split, first, count).tolist()):
+        for b, row in enumerate(self._order(split, first, count).tolist()):
             at = 0
             for start, length in self.row_pieces(split, row):
                 tok = np.asarray(s.ids[start:start + length], dtype=np.int64)

@@ -48,7 +48,7 @@ def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Executio
         return ""
     candidates = candidate_formats(t, exact_only=exact_state_required(cfg))
     chosen, tried = None, 0
-    numel = sum(u.layout.numel for u in spec.units)
+    numel = spec.num_params()
     for fmt in candidates:
         tried += 1
         # master and moments live on the host or the GPU (without an NVMe tier): a format whose state alone
