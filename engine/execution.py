@@ -1,5 +1,5 @@
 """What a run will execute, decided in one place: compiled templates or eager, torch.compile's worker pool, the fused
-LM head + cross-entropy, the attention backend and the MLP's token chunk.
+LM head + cross-entropy, the attention backend, the MLP's token chunk and the lean long-context layer.
 
 The planner prices exactly what the trainer then runs, so both read one `Execution`, resolved once from the config
 and the device kind. `train.compile=auto` and `train.fused_loss=auto` are on with CUDA (on a CPU the Triton loss
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from engine.config import PACKED_SOURCES, ConfigError
 from engine.model.attention import resolve_attention
 from engine.model.dense import LayerCompute, resolve_mlp_chunk_tokens
+from engine.model.lean import AUTO_LEAN_MIN_TOKENS, resolve_lean_layer
 
 
 @dataclass(frozen=True)
@@ -26,24 +27,30 @@ class Execution:
     fused_loss: bool  # the fused Triton LM head + cross-entropy
     attention: str  # a resolved backend (triton | sdpa | flash_attn), or the asked-for name a plan could not resolve
     mlp_chunk_tokens: int  # 0: the MLP block over all of a micro-batch's tokens at once
+    lean: bool  # the lean long-context layer (engine/model/lean.py)
 
     @classmethod
     def of(cls, spec, cfg, on_gpu: bool, strict: bool = False) -> "Execution":
-        """`strict`: a backend that cannot run on this device is a ConfigError (else its name is kept)."""
+        """`strict`: a backend (or lean layer) that cannot run on this device is a ConfigError (else the asked-for
+        name is kept)."""
         t = cfg.train
         compiled = t.compile == "on" or (t.compile == "auto" and on_gpu)
+        mb_tokens = t.micro_batch_size * t.seq_len
+        long_dense = t.lean_layer != "off" and not spec.moe and mb_tokens > AUTO_LEAN_MIN_TOKENS
         try:
             attention = resolve_attention(t.attention, "cuda" if on_gpu else "cpu", spec.arch.head_dim,
-                                          spec.sinks_or_window, packed=cfg.data.name in PACKED_SOURCES)
+                                          spec.sinks_or_window, packed=cfg.data.name in PACKED_SOURCES,
+                                          lean=long_dense)
+            lean = resolve_lean_layer(t.lean_layer, attention, spec.moe, mb_tokens)
         except ConfigError:
             if strict:
                 raise
-            attention = t.attention
+            attention, lean = t.attention, t.lean_layer == "on"
         return cls(on_gpu=on_gpu, compiled=compiled, compile_workers=compiled and not t.compile_in_process,
                    fused_loss=t.fused_loss == "on" or (t.fused_loss == "auto" and on_gpu), attention=attention,
-                   mlp_chunk_tokens=resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, t.micro_batch_size * t.seq_len))
+                   mlp_chunk_tokens=resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, mb_tokens, lean), lean=lean)
 
     @property
     def layer_compute(self) -> LayerCompute:
         """How the decoder layers compute (engine/model/dense.py)."""
-        return LayerCompute(attention=self.attention, mlp_chunk_tokens=self.mlp_chunk_tokens)
+        return LayerCompute(attention=self.attention, mlp_chunk_tokens=self.mlp_chunk_tokens, lean=self.lean)

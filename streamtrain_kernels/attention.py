@@ -651,10 +651,12 @@ def _forward(q, k, v, sinks, causal, window, scale, q_offset, doc_start=None):
     return out, lse
 
 
-def _backward(do, dlse, q, k, v, out, lse, sinks, causal, window, scale, q_offset, doc_start=None):
+def _backward(do, dlse, q, k, v, out, lse, sinks, causal, window, scale, q_offset, doc_start=None, dq=None):
+    """dq: where to write dq (allocated when None; `out` itself may serve, see `attention_backward_over_out`)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    dq = torch.empty((B, Hq, Tq, D), device=q.device, dtype=q.dtype)
+    if dq is None:
+        dq = torch.empty((B, Hq, Tq, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, Hkv, Tk, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, Hkv, Tk, D), device=q.device, dtype=v.dtype)
     delta = torch.empty_like(lse)
@@ -812,6 +814,23 @@ def layer_attention_backward(dout: torch.Tensor, dlse: Optional[torch.Tensor], q
 def _(dout, dlse, q, k, v, out, lse, window, sinks, doc_start=None):
     n_sinks = q.shape[1] if sinks is not None else 0
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), lse.new_empty((n_sinks,))
+
+
+def attention_backward_over_out(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, window: Optional[int],
+                                sinks: Optional[torch.Tensor], doc_start: Optional[torch.Tensor] = None):
+    """`layer_attention_backward` (no lse gradient) for a caller done with `out`: dq is written over out's storage,
+    one [B, Hq, T, D] buffer less at the backward's peak. Safe because only the first pass (delta = rowsum(dO * O))
+    reads out, and it completes before the dq pass writes. Returns (dq, which is `out`, dk, dv, dsinks or None).
+    Not a custom op (it mutates an input): for eager callers such as the lean layer (engine/model/lean.py)."""
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"attention_backward_over_out: out {tuple(out.shape)} {out.dtype} cannot hold dq "
+                         f"{tuple(q.shape)} {q.dtype}")
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    s32 = sinks.detach().float().contiguous() if sinks is not None else None
+    ds = _check_docs(q, k, doc_start, True, 0) if doc_start is not None else None
+    return _backward(_last_dim_contiguous(dout), None, q, k, v, out, lse, s32, True, window, q.shape[-1] ** -0.5,
+                     k.shape[2] - q.shape[2], ds, dq=out)
 
 
 def _layer_attention_setup(ctx, inputs, output):

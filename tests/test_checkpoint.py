@@ -4,7 +4,6 @@ damaged or mismatched checkpoints (always naming the file or the field), all on 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from engine.checkpoint import CheckpointError, SafetensorsFile
 from engine.checkpoint.state import write_marker
 from engine.config import ConfigError
 from engine.trainer import Trainer
-from tests.util import SMALL, make_cfg
+from tests.util import SMALL, make_cfg, user_env
 
 ROOT = Path(__file__).resolve().parent.parent
 # clipping and warmup active, several micro-batches: every part of the optimizer state matters for exactness
@@ -30,7 +29,7 @@ RECIPE = [*SMALL, "data=synthetic", "train.seq_len=24", "train.micro_batch_size=
 def train_cli(run_dir: Path, *args, check=True, timeout=240, hardware="cpu", env=None):
     out = subprocess.run([sys.executable, "train.py", "logger=none", f"hardware={hardware}", *RECIPE, *args,
                           f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "WANDB_MODE": "disabled", **(env or {})})
+                         env={**user_env(), "WANDB_MODE": "disabled", **(env or {})})
     if check:
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out

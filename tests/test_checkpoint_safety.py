@@ -22,7 +22,7 @@ from engine.checkpoint import CheckpointError
 from engine.config import ConfigError
 from engine.trainer import Trainer
 from tests.test_checkpoint import RECIPE, ROOT, train_cli
-from tests.util import make_cfg
+from tests.util import make_cfg, user_env
 
 RUN = ["engine=reference", "train.steps=4", "train.checkpoint_every=2"]
 
@@ -141,7 +141,7 @@ def _holder(run_dir: Path, *args) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "train.py", "logger=none", "hardware=cpu", *RECIPE, "engine=reference",
                              "train.steps=100000", "train.log_every=1", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "WANDB_MODE": "disabled"})
+                            env={**user_env(), "WANDB_MODE": "disabled"})
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and '"loss"' in metrics.read_text()):

@@ -2,7 +2,6 @@
 installed package, built as a wheel and run from outside the checkout."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.util import user_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _train(*args, timeout=300):
     out = subprocess.run([sys.executable, "train.py", *args, "hardware=cpu"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=timeout, env={**os.environ, "WANDB_MODE": "offline"})
+                         text=True, timeout=timeout, env={**user_env(), "WANDB_MODE": "offline"})
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -179,7 +180,7 @@ def test_sweep_report_refuses_a_missing_dir(tmp_path):
 
 def _refused(*args, cwd=ROOT, command=("train.py",), env=None):
     out = subprocess.run([sys.executable, *command, *args, "logger=none"], cwd=cwd, capture_output=True, text=True,
-                         timeout=120, env=env)
+                         timeout=120, env=env or user_env())
     assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
     assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr, out.stderr[-3000:]
     return out.stderr
@@ -289,7 +290,7 @@ def test_wheel_carries_conf_and_finds_it_when_installed(tmp_path):
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = {**user_env(), "PYTHONPATH": str(site)}
     probe = textwrap.dedent("""
         from hydra import compose, initialize_config_dir
         from engine import hardware

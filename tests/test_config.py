@@ -217,6 +217,7 @@ BAD = {
     "train.fused_loss": ["train.fused_loss=yes"],
     "train.attention": ["train.attention=flash", "train.attention=xformers"],
     "train.mlp_chunk_tokens": ["train.mlp_chunk_tokens=-2", "train.mlp_chunk_tokens=lots"],
+    "train.lean_layer": ["train.lean_layer=yes"],
     "train.export_dtype": ["train.export_dtype=fp16"],
     "hardware.name": ["hardware.name=''"],
     "hardware.device": ["hardware.device=tpu"],

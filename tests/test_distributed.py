@@ -7,7 +7,6 @@ step that does not split over the ranks is refused."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from engine import checkpoint
 from engine.checkpoint import SafetensorsFile
 from tests.test_checkpoint import RECIPE, state_tensors, step_losses, train_cli
 from tests.test_engine_equivalence import FAMILIES
+from tests.util import user_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ def torchrun(run_dir: Path, *args, ranks: int = 2, check=True, timeout=300, scri
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", script,
            "logger=none", f"hardware={hardware}", *RECIPE, *args, f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
+                         env={**user_env(), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
     if check:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out

@@ -11,7 +11,6 @@ produced for real by an absurd learning rate.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -25,7 +24,7 @@ import torch
 from engine import checkpoint
 from engine.trainer import Trainer, TrainingDiverged
 from tests.test_checkpoint import RECIPE, ROOT, assert_same_state, state_tensors, step_losses, train_cli
-from tests.util import make_cfg
+from tests.util import make_cfg, user_env
 
 LAUNCHER = """
 import os, runpy, sys, time
@@ -47,7 +46,7 @@ def launch(tmp_path: Path, run_dir: Path, *args, slow_save_s: float = 0.0) -> su
     launcher.write_text(LAUNCHER.format(root=str(ROOT)))
     return subprocess.Popen([sys.executable, str(launcher), "logger=none", "hardware=cpu", *RECIPE, *args,
                              f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "WANDB_MODE": "disabled", "SLOW_SAVE_S": str(slow_save_s)})
+                            text=True, env={**user_env(), "WANDB_MODE": "disabled", "SLOW_SAVE_S": str(slow_save_s)})
 
 
 def wait_for(cond, proc: subprocess.Popen, timeout: float = 180.0) -> bool:

@@ -28,7 +28,7 @@ from engine.config import ConfigError  # noqa: E402
 from engine.model import ModelSpec  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 from tests.test_model_vs_hf import _randomize, hf_config, our_logits  # noqa: E402
-from tests.util import SMALL, make_cfg  # noqa: E402
+from tests.util import SMALL, make_cfg, user_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [*SMALL, "data=synthetic", "train.seq_len=16", "train.micro_batch_size=2", "train.val_batches=1",
@@ -251,7 +251,7 @@ def test_config_mismatch_names_the_field(qwen2_dir):
 def test_config_mismatch_through_the_cli(qwen2_dir, tmp_path):
     out = subprocess.run([sys.executable, "train.py", "logger=none", "hardware=cpu", *BASE, "model.vocab_size=300",
                           f"model.init=hf:{qwen2_dir}", f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, env=user_env())
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "vocab_size is 256 in config.json but model.vocab_size=300" in out.stderr
 

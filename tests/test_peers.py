@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.util import user_env
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +23,7 @@ ROW_KEYS = {"bench", "system", "model", "seq_len", "micro_batch_size", "grad_acc
 def _peer(script, *args, out, timeout=120, launcher=("-m",)):
     """Run peer `script` (a module of bench.peers) with `args`; `launcher` is what python runs the module with."""
     proc = subprocess.run([sys.executable, *launcher, f"bench.peers.{script}", *args, "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=user_env())
     rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return proc, rows
 

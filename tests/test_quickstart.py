@@ -7,7 +7,6 @@ equal our model's on the same exported weights."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from engine.checkpoint import open_hf
 from engine.checkpoint.hf import import_hf
 from engine.data.documents import TOKENIZER_FILES, chat_messages
 from engine.model import ModelSpec, dense
+from tests.util import user_env
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = 1000  # fewer than the default 3000: tokenizing them is a third of the time
@@ -32,7 +32,7 @@ def made(tmp_path_factory):
     """(out dir, stdout) of `python -m engine.quickstart --out <out> --records 1000`."""
     out = tmp_path_factory.mktemp("quickstart") / "demo"
     proc = subprocess.run([sys.executable, "-m", "engine.quickstart", "--out", str(out), "--records", str(RECORDS)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=user_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stdout
 
@@ -49,7 +49,7 @@ def run_dir(made, tmp_path_factory):
     argv = [sys.executable, *argv[1:], f"train.steps={STEPS}", "train.val_every=0", "logger=none",
             f"data.cache_dir={run / 'data-cache'}", f"hydra.run.dir={run}"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
+                          env={**user_env(), "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run
 

@@ -3,13 +3,12 @@ refused before it starts, and `plan=true`, leave nothing; a rerun from step 0 ne
 earlier run's."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from engine.trainer import Trainer
-from tests.util import make_cfg
+from tests.util import make_cfg, user_env
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["model.num_hidden_layers=1", "train.steps=2", "train.micro_batch_size=2", "train.seq_len=32",
@@ -18,7 +17,7 @@ QUICK = ["model.num_hidden_layers=1", "train.steps=2", "train.micro_batch_size=2
 
 def _train(*args):
     return subprocess.run([sys.executable, "train.py", "hardware=cpu", "logger=none", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "offline"})
+                          capture_output=True, text=True, timeout=300, env={**user_env(), "WANDB_MODE": "offline"})
 
 
 def test_the_run_dir_is_printed_and_train_log_holds_the_output(tmp_path):

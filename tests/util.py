@@ -26,6 +26,14 @@ SMALL = ["model.hidden_size=72", "model.intermediate_size=100", "model.num_hidde
 FP32 = ["train.master_dtype=fp32", "train.moments_dtype=fp32", "train.grad_dtype=fp32"]
 
 
+def user_env() -> dict:
+    """The environment for the train.py (and other command) processes the tests start: a user's CPU run, without the
+    suite's TRITON_INTERPRET=1, under which every Triton kernel (gradient accumulation, the fused AdamW) would run
+    interpreted instead of taking its torch path, four times slower for the default job. A test of a kernel inside a
+    command sets the variable itself."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
 def make_cfg(overrides=(), validated=True):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("config", overrides=["logger=none", "hardware=cpu", *overrides])
@@ -39,6 +47,6 @@ def train_records(run_dir: Path, *args, timeout: int = 400) -> list:
     """Run `python train.py *args` in a fresh process (run dir `run_dir`, W&B offline), require a clean exit, and
     return its metrics.jsonl records."""
     out = subprocess.run([sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=timeout, env={**os.environ, "WANDB_MODE": "offline"})
+                         capture_output=True, text=True, timeout=timeout, env={**user_env(), "WANDB_MODE": "offline"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

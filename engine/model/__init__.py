@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import torch
 
 from engine.config import MOE_MODEL_TYPES, ConfigError
-from engine.model import dense, moe
+from engine.model import dense, lean, moe
 from engine.model.layout import ParamSpec, UnitLayout
 from engine.model.rope import Positions, rope_tables
 
@@ -148,6 +148,8 @@ class ModelSpec:
             inductor_config.compile_threads = inductor_config.decide_compile_threads()
         self._layer_fn = torch.compile(self._layer_fn, dynamic=False)
         self._layer_to_down_fn = torch.compile(self._layer_to_down_fn, dynamic=False)
+        self._lean_fns = lean.ChunkFns(qkv=torch.compile(dense.project_qkv, dynamic=False),
+                                       second_half=torch.compile(lean.second_half, dynamic=False))
         self._loss_chunk_fn = torch.compile(dense.chunk_loss_sum, dynamic=False)
 
     def use_fused_loss(self) -> None:
@@ -161,6 +163,7 @@ class ModelSpec:
         self.compute = compute
 
     compute = dense.LayerCompute()
+    _lean_fns = lean.ChunkFns()
     _loss_chunk_fn = staticmethod(dense.chunk_loss_sum)
     _layer_to_down_fn = staticmethod(dense.decoder_layer_to_down_proj)
     fused_loss = False
@@ -171,27 +174,40 @@ class ModelSpec:
 
     def layer(self, p, x_BTD, pos: Positions, layer: int):
         """Decoder layer number `layer` (0-based; it picks the attention window) applied to x."""
+        if self.compute.lean:
+            return lean.lean_layer(p, x_BTD, pos, self.arch, self.compute.mlp_chunk_tokens, self.layer_windows[layer],
+                                   self._lean_fns)
         if not self.moe:
             return self._layer_fn(p, x_BTD, pos, self.arch, self.compute)
         y, aux, load = self._layer_fn(p, x_BTD, pos, self.arch, self.compute, self.layer_windows[layer])
         return self.router_stats.attach(y, aux, load, layer)
 
+    def layer_keeping_attention(self, p, x_BTD, pos: Positions, layer: int):
+        """(the lean layer's output, its `lean.KeptAttention`) for a forward without autograd whose backward will
+        reuse the attention output (`layer_grads(kept=...)`)."""
+        return lean.lean_forward(p, x_BTD, pos, self.arch, self.compute.mlp_chunk_tokens, self.layer_windows[layer],
+                                 keep=True, fns=self._lean_fns)
+
     def recompute_stops_before_down_proj(self, chunked_mlp: bool) -> bool:
         """Whether `layer_grads` leaves the down projection out of a layer's recompute: a dense layer with an
         unchunked MLP (a chunked one checkpoints whole MLP blocks; a MoE layer's routing weights need the expert
-        outputs)."""
-        return not (self.moe or chunked_mlp)
+        outputs; the lean layer rebuilds its second half chunk by chunk)."""
+        return not (self.moe or chunked_mlp or self.compute.lean)
 
     def recompute_skipped_flops_per_token(self, chunked_mlp: bool) -> int:
         """Forward FLOPs per token that `layer_grads` leaves out of a layer's recompute."""
         return dense.down_proj_flops_per_token(self.arch) if self.recompute_stops_before_down_proj(chunked_mlp) else 0
 
-    def layer_grads(self, p, x_in, dy, pos: Positions, layer: int):
+    def layer_grads(self, p, x_in, dy, pos: Positions, layer: int, kept: Optional[lean.KeptAttention] = None):
         """(d x_in, {name: gradient} for every tensor of p) of decoder layer `layer` at x_in (a leaf that requires
         grad) for the output gradient dy: the forward recomputed with autograd, then back-propagated. A dense layer
         with an unchunked MLP recomputes up to the down projection only (`dense.decoder_layer_to_down_proj`) and
         takes that matmul's gradients by hand, equal to autograd's; a chunked MLP's chunks and a MoE layer recompute
-        in full. Call under the run's autocast."""
+        in full. The lean layer runs its own backward (`lean.lean_backward`, from the forward's `kept` attention
+        output when given), writing d x over dy. Call under the run's autocast."""
+        if self.compute.lean:
+            return lean.lean_backward(p, x_in, dy, pos, self.arch, self.compute.mlp_chunk_tokens,
+                                      self.layer_windows[layer], kept, self._lean_fns, in_place=True)
         B, T, _ = x_in.shape
         if not self.recompute_stops_before_down_proj(dense.mlp_chunked(self.compute.mlp_chunk_tokens, B * T)):
             return backprop(self.layer(p, x_in, pos, layer), x_in, p, dy)

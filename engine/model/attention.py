@@ -44,19 +44,21 @@ def _triton_runs_on(device_type: str) -> bool:
 
 
 def resolve_attention(requested: str, device_type: str, head_dim: int, sinks_or_window: bool = False,
-                      packed: bool = False) -> str:
+                      packed: bool = False, lean: bool = False) -> str:
     """The concrete backend for `train.attention=requested` on this device and head size; raises ConfigError
     naming the value and what would be valid when the asked-for backend cannot run. `sinks_or_window`: the model
     has attention sinks or sliding-window layers (gpt-oss), which only the Triton kernel computes. `packed`: the
     rows hold several documents (data=text/chat); `auto` then takes the Triton kernel where it runs (it skips
-    other documents' keys; SDPA would need a dense T x T mask), and flash_attn is refused."""
+    other documents' keys; SDPA would need a dense T x T mask), and flash_attn is refused. `lean`: the run would
+    take the lean layer (engine/model/lean.py) with this backend; `auto` then takes the Triton kernel where it runs,
+    which the lean layer needs."""
     if requested not in ATTENTION_BACKENDS:
         raise ConfigError(f"train.attention={requested!r} is not valid; choose one of {', '.join(ATTENTION_BACKENDS)}")
     triton_fits = head_dim in HEAD_DIMS
     if packed and requested == "flash_attn":
         raise ConfigError("train.attention=flash_attn does not take the document boundaries of packed rows "
                           "(data=text/chat); use train.attention=auto, triton or sdpa")
-    if packed and requested == "auto" and triton_fits and device_type == "cuda":
+    if (packed or lean) and requested == "auto" and triton_fits and device_type == "cuda":
         return "triton"
     if sinks_or_window:
         if requested not in ("auto", "triton"):

@@ -45,6 +45,9 @@ FUSED_LOSS_CHUNK_ELEMS = 1 << 29
 
 
 AUTO_MLP_CHUNK_TOKENS = 32768  # train.mlp_chunk_tokens=-1 chunks micro-batches above twice this
+# the lean layer's chunk under train.mlp_chunk_tokens=-1: its autograd graph with gradients is ~1.5 x 160 KB a token
+# for qwen7b (1.8 GiB at 8K tokens), and 8K x 3584 x 18944 matmuls still run at full rate
+LEAN_CHUNK_TOKENS = 8192
 
 
 def mlp_chunked(chunk_tokens: int, tokens: int) -> bool:
@@ -52,10 +55,12 @@ def mlp_chunked(chunk_tokens: int, tokens: int) -> bool:
     return 0 < chunk_tokens < tokens
 
 
-def resolve_mlp_chunk_tokens(requested: int, micro_batch_tokens: int) -> int:
+def resolve_mlp_chunk_tokens(requested: int, micro_batch_tokens: int, lean: bool = False) -> int:
     """`train.mlp_chunk_tokens`: -1 (auto) chunks at AUTO_MLP_CHUNK_TOKENS when a micro-batch has more than twice
     as many tokens (below that the intermediates are small and a chunk's recompute would cost more than it saves),
-    0 never, N > 0 at N tokens."""
+    at LEAN_CHUNK_TOKENS in the lean layer, 0 never, N > 0 at N tokens."""
+    if requested == -1 and lean:
+        return LEAN_CHUNK_TOKENS
     if requested == -1:
         return AUTO_MLP_CHUNK_TOKENS if micro_batch_tokens > 2 * AUTO_MLP_CHUNK_TOKENS else 0
     return requested
@@ -68,6 +73,7 @@ DOWN_PROJ = "mlp.down_proj.weight"
 class LayerCompute:
     attention: str = "sdpa"  # a resolved backend of engine/model/attention.py (triton | sdpa | flash_attn)
     mlp_chunk_tokens: int = 0  # 0: the MLP block over all tokens at once
+    lean: bool = False  # the lean layer (engine/model/lean.py): all per-token work in chunks of mlp_chunk_tokens
 
 
 @dataclass(frozen=True)
@@ -170,10 +176,10 @@ def _mlp(p: Params, x_BTD: torch.Tensor, a: DenseArch, chunk_tokens: int) -> tor
     return torch.cat(parts).view(B, T, D)
 
 
-def attention_residual(p: Params, x_BTD: torch.Tensor, pos: Positions, a, c: LayerCompute = LayerCompute(),
-                       window: Optional[int] = None) -> torch.Tensor:
-    """x + attention(norm(x)): the first half of a decoder layer, shared with the MoE templates (engine/model/moe.py).
-    `a` is any arch with heads, kv_heads, head_dim, eps and qk_norm; biases and sinks are used when `p` has them."""
+def project_qkv(p: Params, x_BTD: torch.Tensor, pos: Positions, a):
+    """(q [B, nh, T, hd], k, v [B, kv, T, hd]): the input norm, the q/k/v projections, the q/k norms and RoPE, in the
+    dtypes these ops give (q and k fp32 after RoPE, v the autocast dtype); attention casts them to the compute dtype.
+    Per token: a chunk of tokens with its slice of `pos` gives the chunk's rows (engine/model/lean.py)."""
     B, T, _ = x_BTD.shape
     y = rms_norm(x_BTD, p["input_layernorm.weight"], a.eps)
     q = F.linear(y, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
@@ -186,10 +192,28 @@ def attention_residual(p: Params, x_BTD: torch.Tensor, pos: Positions, a, c: Lay
         k = rms_norm(k, p["self_attn.k_norm.weight"], a.eps)
     q = apply_rope(q.transpose(1, 2), pos)
     k = apply_rope(k.transpose(1, 2), pos)
-    v = v.view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
+    return q, k, v.view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
+
+
+def output_residual(p: Params, x_BTD: torch.Tensor, attn_BTF: torch.Tensor) -> torch.Tensor:
+    """x + o_proj(attention output [B, T, nh * hd])."""
+    return x_BTD + F.linear(attn_BTF, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
+
+
+def attention_residual(p: Params, x_BTD: torch.Tensor, pos: Positions, a, c: LayerCompute = LayerCompute(),
+                       window: Optional[int] = None) -> torch.Tensor:
+    """x + attention(norm(x)): the first half of a decoder layer, shared with the MoE templates (engine/model/moe.py).
+    `a` is any arch with heads, kv_heads, head_dim, eps and qk_norm; biases and sinks are used when `p` has them."""
+    q, k, v = project_qkv(p, x_BTD, pos, a)
     attn = causal_attention(q, k, v, c.attention, window=window, sinks=p.get("self_attn.sinks"),
                             doc_start_BT=pos.doc_start_BT)
-    return x_BTD + F.linear(attn, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
+    return output_residual(p, x_BTD, attn)
+
+
+def mlp_residual(p: Params, x_BTD: torch.Tensor, a: DenseArch) -> torch.Tensor:
+    """x + MLP(norm(x)): the second half of a dense decoder layer, per token."""
+    return _mlp_block(x_BTD, p["post_attention_layernorm.weight"], p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"],
+                      p[DOWN_PROJ], a.eps)
 
 
 def decoder_layer(p: Params, x_BTD: torch.Tensor, pos: Positions, a: DenseArch,

@@ -30,6 +30,11 @@ class Positions:
     def table_len(self) -> int:
         return self.cos.shape[-2]
 
+    def tokens(self, start: int, stop: int) -> "Positions":
+        """The rotary tables of tokens start..stop-1 of every row (for per-token work in chunks; the document layout,
+        which attention needs over whole rows, is not carried)."""
+        return Positions(self.cos[..., start:stop, :], self.sin[..., start:stop, :])
+
     def of_rows(self, doc_start_BT: Optional[torch.Tensor]) -> "Positions":
         """These (unpacked) tables re-indexed for packed rows: token i of a row gets position i - doc_start[i]."""
         if doc_start_BT is None:

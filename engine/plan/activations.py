@@ -7,6 +7,7 @@ from __future__ import annotations
 from engine.model import moe
 from engine.model.attention import HAVE_FLASH_ATTN
 from engine.model.dense import FUSED_LOSS_CHUNK_ELEMS, LOSS_CHUNK_ELEMS, mlp_chunked
+from engine.model.lean import kept_attention_bytes_per_token
 
 
 def layer_activation_bytes_per_token(spec, compute_bytes: int, compiled: bool = True, mlp: bool = True) -> int:
@@ -47,20 +48,39 @@ def layer_activation_bytes_per_token(spec, compute_bytes: int, compiled: bool = 
     return attention + fp32 + fp32 * a.hidden + compute_bytes * a.hidden * 2 + compute_bytes * a.intermediate * 4
 
 
-def layer_graph_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, mlp_chunk_tokens: int) -> int:
+def layer_graph_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, mlp_chunk_tokens: int,
+                      lean: bool = False) -> int:
     """What one layer's autograd graph over `tokens` tokens keeps; a chunked MLP (`mlp_chunk_tokens > 0` and fewer
-    than `tokens`) keeps none of its intermediates."""
+    than `tokens`) keeps none of its intermediates; the lean layer keeps its input (fp32) and the attention output
+    with its log-sum-exp."""
+    if lean:
+        return (4 * spec.arch.hidden + kept_attention_bytes_per_token(spec.arch, compute_bytes)) * tokens
     mlp = not mlp_chunked(mlp_chunk_tokens, tokens)
     return layer_activation_bytes_per_token(spec, compute_bytes, compiled, mlp=mlp) * tokens
 
 
+def lean_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, chunk_tokens: int) -> int:
+    """The lean layer's working set (engine/model/lean.py), at its backward's peak: q, k, v, the attention output
+    (dq is written over it), its gradient and dk, dv over whole rows in the compute dtype, the log-sum-exp and the
+    kernel's row sums
+    (fp32 per head), and one chunk's autograd graph with its gradients. The layer's output gradient is written over
+    the residual stream's (counted with it); K and V are never expanded to the query heads."""
+    a = spec.arch
+    whole_rows = compute_bytes * (3 * a.heads + 4 * a.kv_heads) * a.head_dim + 2 * 4 * a.heads
+    chunk = min(tokens, chunk_tokens) if chunk_tokens > 0 else tokens
+    return whole_rows * tokens + int(1.5 * layer_activation_bytes_per_token(spec, compute_bytes, compiled) * chunk)
+
+
 def layer_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, mlp_chunk_tokens: int,
-                        attention: str) -> int:
+                        attention: str, lean: bool = False) -> int:
     """A recomputed layer's working set: its graph plus the gradients of the same tensors, live transiently; a
     chunked MLP adds one chunk's intermediates, rebuilt in the backward. `attention`: the resolved backend; torch's
     SDPA computes a GQA backward (fewer K/V heads than query heads) on K and V expanded to the query heads, and
     their gradients at that width, before it sums them back: four [tokens, heads x head_dim] tensors (measured on
-    an H100 at 128K tokens, qwen7b's 28/4 heads: 3.24 GiB above the Triton kernel's backward, 93% of this count)."""
+    an H100 at 128K tokens, qwen7b's 28/4 heads: 3.24 GiB above the Triton kernel's backward, 93% of this count).
+    `lean`: the lean layer's (`lean_working_bytes`)."""
+    if lean:
+        return lean_working_bytes(spec, tokens, compute_bytes, compiled, mlp_chunk_tokens)
     graph = layer_graph_bytes(spec, tokens, compute_bytes, compiled, mlp_chunk_tokens)
     if 0 < mlp_chunk_tokens < tokens:
         mlp_per_token = (layer_activation_bytes_per_token(spec, compute_bytes, compiled)

@@ -34,19 +34,21 @@ class StepShape:
         self.layer_cast = max(lay.cast_numel for lay in self.layouts[1:-1])
         fused = ex.fused_loss
         self.compiled, self.compile_workers = ex.compiled, ex.compile_workers
-        self.mlp_chunk_tokens, self.attention = ex.mlp_chunk_tokens, ex.attention
+        self.mlp_chunk_tokens, self.attention, self.lean = ex.mlp_chunk_tokens, ex.attention, ex.lean
         # a layer's working set and the head's are live in different phases of the step: the larger one counts
         self.act = max(layer_working_bytes(spec, self.mb_tokens, self.compute_bytes, self.compiled,
-                                           self.mlp_chunk_tokens, self.attention),
+                                           self.mlp_chunk_tokens, self.attention, self.lean),
                        loss_activation_bytes(spec, self.mb_tokens, self.compute_bytes, fused))
         flops = model_flops_per_token(cfg.model, t.seq_len)
         self.layer_fwd_flops = flops["layer_forward_flops_per_token"] * self.step_tokens
         self.layer_attn_fwd_flops = flops["layer_attention_forward_flops_per_token"] * self.step_tokens
-        # a chunked MLP checkpoints each chunk: a layer's backward runs its MLP forward once more
-        chunked = mlp_chunked(self.mlp_chunk_tokens, self.mb_tokens)
+        # a chunked MLP checkpoints each chunk: a layer's backward runs its MLP forward once more (the lean layer
+        # rebuilds each chunk once, as its recompute)
+        chunked = mlp_chunked(self.mlp_chunk_tokens, self.mb_tokens) and not self.lean
         self.mlp_recompute_flops = flops["layer_mlp_forward_flops_per_token"] * self.step_tokens if chunked else 0
         # the streaming engine's recompute leaves out what no gradient reads (ModelSpec.layer_grads)
-        self.recompute_skipped_flops = spec.recompute_skipped_flops_per_token(chunked) * self.step_tokens
+        self.recompute_skipped_flops = 0 if self.lean else \
+            spec.recompute_skipped_flops_per_token(chunked) * self.step_tokens
         # the head: forward + backward (2x); the chunked torch chain also recomputes the logits in its backward
         self.head_flops = (3 if fused else 4) * flops["head_forward_flops_per_token"] * self.step_tokens
 
@@ -55,7 +57,7 @@ class StepShape:
         """What one layer's kept autograd graph holds for all micro-batches (the tensors the recompute would
         rebuild), plus the layer's own slot."""
         per_micro_batch = layer_graph_bytes(self.spec, self.mb_tokens, self.compute_bytes, self.compiled,
-                                            self.mlp_chunk_tokens)
+                                            self.mlp_chunk_tokens, self.lean)
         return per_micro_batch * (self.step_tokens // self.mb_tokens) + self.slot_bytes(self.layouts[1])
 
     def slot_bytes(self, lay) -> int:

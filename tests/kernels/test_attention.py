@@ -403,6 +403,25 @@ def test_docs_layer_op(window, sinks):
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+@pytest.mark.parametrize("window, sinks, docs", [(None, False, False), (9, True, True)],
+                         ids=["plain", "window+sinks+docs"])
+def test_the_backward_over_out_equals_the_layer_ops(window, sinks, docs):
+    """`attention_backward_over_out` writes dq over the output's storage and gives the layer op's gradients bit for
+    bit (the output is read by the first pass only)."""
+    B, Hq, Hkv, T, D = 2, 4, 2, 37, 16
+    q, k, v, s, do = _inputs(B, Hq, Hkv, T, D, torch.float32, sinks=sinks)
+    ds = _doc_start([[10, 1, 26], [37]], T) if docs else None
+    out, lse = A.layer_attention_forward(q, k, v, window, s, ds)
+    want = A.layer_attention_backward(do, None, q, k, v, out, lse, window, s, ds)
+    dq, dk, dv, dsinks = A.attention_backward_over_out(do, q, k, v, out, lse, window, s, ds)
+    assert dq.data_ptr() == out.data_ptr()
+    for got, ref in zip((dq, dk, dv), want[:3]):
+        assert torch.equal(got, ref)
+    assert (dsinks is None) if not sinks else torch.equal(dsinks, want[3])
+    with pytest.raises(ValueError, match="cannot hold dq"):
+        A.attention_backward_over_out(do, q, k, v, out[:, :, :5], lse, window, s, ds)
+
+
 def test_docs_rejects_bad_inputs():
     q, k, v, _, _ = _inputs(2, 4, 2, 8, 16, fp32)
     ds = torch.zeros(2, 8, dtype=torch.int32)

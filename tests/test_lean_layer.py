@@ -1,0 +1,160 @@
+"""The lean long-context layer (engine/model/lean.py) against the plain layer (engine/model/dense.py).
+
+- Forward and all gradients equal the plain layer's with the same Triton attention: fp32 to rounding, bf16 autocast
+  within 2x the plain layer's own error against an fp32 run; chunks that do not divide the tokens, several rows,
+  packed rows with document boundaries, qwen3's q/k norms.
+- The backward from the kept attention output equals the one that runs attention's forward again, bit for bit.
+- The autograd wrapper the reference engine uses gives `lean_backward`'s gradients, and both engines train
+  bit-identically through the lean layer.
+- `train.lean_layer=auto` takes it (and the Triton kernel) above 128K tokens a micro-batch on a GPU; `on` where it
+  cannot run is refused; the planner counts its working set.
+"""
+
+import pytest
+import torch
+
+from engine.config import ConfigError
+from engine.execution import Execution
+from engine.model import ModelSpec
+from engine.model.dense import AUTO_MLP_CHUNK_TOKENS, LEAN_CHUNK_TOKENS, LayerCompute, decoder_layer
+from engine.model.lean import lean_backward, lean_forward, lean_layer, resolve_lean_layer
+from engine.plan import GIB, layer_working_bytes
+from tests.test_engine_equivalence import assert_same, train
+from tests.util import SMALL, make_cfg
+
+WIDE_HEADS = ["model.hidden_size=96", "model.num_attention_heads=6", "model.num_key_value_heads=2"]
+QWEN3 = ["model.model_type=qwen3", "model.qkv_bias=false", "model.qk_norm=true"]
+
+
+def _case(family=(), B=2, T=37, docs=False, weight_dtype=torch.float32):
+    spec = ModelSpec(make_cfg([*SMALL, *WIDE_HEADS, *family]).model)
+    unit = spec.units[1]
+    params = unit.layout.views(torch.empty(unit.layout.numel))
+    spec.init_unit(unit, params, seed=3)
+    params = {k: (v.to(weight_dtype) if v.dim() == 2 else v).detach().clone() for k, v in params.items()}
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, spec.arch.hidden, generator=gen)
+    dy = torch.randn(B, T, spec.arch.hidden, generator=gen)
+    pos = spec.positions(T, "cpu")
+    if docs:  # row 0: documents of 10, 20 and 7 tokens; row 1: one document
+        starts = torch.tensor([0] * 10 + [10] * 20 + [30] * 7, dtype=torch.int32)[:T]
+        pos = pos.of_rows(torch.stack([starts, torch.zeros(T, dtype=torch.int32)])[:B])
+    return spec, params, x, dy, pos
+
+
+def _plain(spec, params, x, dy, pos):
+    p = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    x = x.detach().clone().requires_grad_()
+    y = decoder_layer(p, x, pos, spec.arch, LayerCompute(attention="triton"))
+    grads = torch.autograd.grad(y, [x, *p.values()], grad_outputs=dy)
+    return y.detach(), grads[0], dict(zip(p, grads[1:]))
+
+
+def _lean(spec, params, x, dy, pos, chunk, kept=True):
+    with torch.no_grad():
+        y, k = lean_forward(params, x, pos, spec.arch, chunk, keep=kept)
+    dx, grads = lean_backward(params, x, dy, pos, spec.arch, chunk, kept=k)
+    return y, dx, grads
+
+
+@pytest.mark.parametrize("family, B, T, docs, chunk", [
+    ((), 2, 37, False, 17),  # 8 positions a chunk per row: 37 = 4 x 8 + 5
+    (QWEN3, 1, 37, False, 11),
+    ((), 2, 37, True, 24),  # chunks cross document boundaries
+    ((), 1, 37, True, 1000),  # one chunk
+], ids=["qwen2-2rows", "qwen3", "packed", "one-chunk"])
+def test_lean_layer_equals_the_plain_layer_in_fp32(family, B, T, docs, chunk):
+    spec, params, x, dy, pos = _case(family, B, T, docs)
+    y_ref, dx_ref, g_ref = _plain(spec, params, x, dy, pos)
+    y, dx, g = _lean(spec, params, x, dy, pos, chunk)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
+    assert set(g) == set(g_ref)
+    for name in g_ref:
+        assert g[name].dtype == torch.float32
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_lean_layer_under_bf16_autocast_is_within_twice_the_plain_layers_error():
+    """bf16 weights under CPU autocast: each output's error against the fp32 plain layer is at most 2x the bf16 plain
+    layer's own (plus a floor of a few bf16 ulps for entries the plain run happens to get nearly exact)."""
+    spec, params, x, dy, pos = _case(QWEN3, 2, 37, docs=True)
+    y32, dx32, g32 = _plain(spec, params, x, dy, pos)
+    _, params16, _, _, _ = _case(QWEN3, 2, 37, docs=True, weight_dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref, dx_ref, g_ref = _plain(spec, params16, x, dy, pos)
+        y, dx, g = _lean(spec, params16, x, dy, pos, chunk=20)
+    pairs = [("y", y, y_ref, y32), ("dx", dx, dx_ref, dx32)] + [(n, g[n], g_ref[n], g32[n]) for n in g32]
+    for name, lean, plain, exact in pairs:
+        lean_err = (lean.float() - exact).abs().max().item()
+        plain_err = (plain.float() - exact).abs().max().item()
+        floor = 4 * 2 ** -8 * exact.abs().max().item() / 64
+        assert lean_err <= 2 * plain_err + floor, f"{name}: lean {lean_err:.3g} vs plain {plain_err:.3g}"
+
+
+def test_the_backward_from_the_kept_attention_equals_the_one_that_recomputes_it():
+    spec, params, x, dy, pos = _case(B=2, T=29, docs=False)
+    _, dx_kept, g_kept = _lean(spec, params, x, dy, pos, chunk=16, kept=True)
+    _, dx_again, g_again = _lean(spec, params, x, dy, pos, chunk=16, kept=False)
+    assert torch.equal(dx_kept, dx_again)
+    for name in g_kept:
+        assert torch.equal(g_kept[name], g_again[name]), name
+
+
+def test_the_autograd_wrapper_gives_lean_backwards_gradients():
+    spec, params, x, dy, pos = _case(QWEN3, B=2, T=23, docs=True)
+    p = {k: v.clone().requires_grad_() for k, v in params.items()}
+    x_leaf = x.clone().requires_grad_()
+    y = lean_layer(p, x_leaf, pos, spec.arch, 10)
+    grads = torch.autograd.grad(y, [x_leaf, *p.values()], grad_outputs=dy)
+    _, dx, g = _lean(spec, params, x, dy, pos, chunk=10)
+    assert torch.equal(grads[0], dx)
+    for name, got in zip(p, grads[1:]):
+        assert torch.equal(got, g[name]), name
+
+
+def test_stream_equals_reference_with_the_lean_layer():
+    """Both engines train bit-identically through the lean layer: the reference's autograd Function keeps the
+    attention output, the streaming engine runs attention's forward again in its backward (same kernel, same bits)."""
+    over = [*WIDE_HEADS, "train.attention=triton", "train.lean_layer=on", "train.mlp_chunk_tokens=20",
+            "train.grad_accum=1", "model.num_hidden_layers=2"]  # the interpreted kernel is slow: a small step
+    rec_r, w_r, m_r, _ = train("reference", over, steps=2)
+    rec_s, w_s, m_s, _ = train("stream", over, steps=2)
+    assert [r["loss"] for r in rec_s] == [r["loss"] for r in rec_r]
+    assert_same(w_s, w_r)
+    assert_same(m_s, m_r)
+
+
+def _execution(overrides, on_gpu=True):
+    cfg = make_cfg(["model=qwen7b", "train.micro_batch_size=1", "train.grad_accum=1", *overrides])
+    return Execution.of(ModelSpec(cfg.model), cfg, on_gpu=on_gpu, strict=True)
+
+
+def test_auto_takes_the_lean_layer_and_its_kernel_above_128k_tokens_on_a_gpu():
+    long = ["train.seq_len=524288", "model.max_position_embeddings=524288"]
+    ex = _execution(long)
+    assert (ex.lean, ex.attention, ex.mlp_chunk_tokens) == (True, "triton", LEAN_CHUNK_TOKENS)
+    assert ex.layer_compute.lean
+    at_128k = _execution(["train.seq_len=131072", "model.max_position_embeddings=131072"])
+    assert (at_128k.lean, at_128k.attention) == (False, "sdpa")
+    assert not _execution(long, on_gpu=False).lean  # no Triton kernel on a CPU outside the interpreter's tests
+    assert not _execution([*long, "train.lean_layer=off"]).lean
+    assert not _execution([*long, "train.attention=sdpa"]).lean
+
+
+def test_the_lean_layer_asked_for_where_it_cannot_run_is_refused():
+    with pytest.raises(ConfigError, match="needs the Triton attention.*resolved to sdpa"):
+        _execution(["train.lean_layer=on", "train.attention=sdpa"])
+    with pytest.raises(ConfigError, match="written for dense layers"):
+        resolve_lean_layer("on", "triton", moe=True, micro_batch_tokens=1024)
+
+
+def test_the_planner_counts_the_lean_layers_working_set():
+    """qwen7b at 512K tokens in bf16: q, k, v, out (dq over it), dO, dk, dv over whole rows, the lse and the kernel's
+    row sums, and one 8K chunk's graph; under half of the plain layer's with the same kernel (33.4 GiB)."""
+    spec, T = ModelSpec(make_cfg(["model=qwen7b"]).model), 524288
+    lean = layer_working_bytes(spec, T, 2, True, LEAN_CHUNK_TOKENS, "triton", lean=True)
+    plain = layer_working_bytes(spec, T, 2, True, AUTO_MLP_CHUNK_TOKENS, "triton")
+    whole_rows = 2 * (3 * 28 + 4 * 4) * 128 * T + 2 * 4 * 28 * T
+    assert whole_rows < lean < whole_rows + 2 * GIB
+    assert lean < 0.5 * plain
