@@ -180,6 +180,11 @@ stage adamwsmall 'the update kernel'"'"'s small launches at qwen7b and qwen32b l
      --configs 256x1,256x2,512x2,512x4,1024x4,1024x8,2048x8,2048x16 --out $OUT/adamw_update.jsonl'
 stage attention 'the Triton attention against SDPA at 8K, 32K and 128K' \
   'bench 300 bench_attention --seq-lens 8192 32768 131072 --out $OUT/attention.jsonl'
+stage leanlayer 'one qwen7b layer'"'"'s engine step, plain (SDPA, Triton) against lean (attention recomputed, kept), 32K and 128K' \
+  'gpu_tests gpu_lean_tests.log 150 tests/test_lean_layer.py
+   bench 400 bench_lean_layer --seq-lens 32768 131072 --out $OUT/lean_layer.jsonl'
+stage leanlayer512 'the same at 512K tokens (the plain layer on the Triton kernel, the lean layer both ways)' \
+  'bench 560 bench_lean_layer --seq-lens 524288 --variants lean kept triton --out $OUT/lean_layer.jsonl'
 stage checkpoint 'HF write, engine build, import and export of a qwen7b-shaped model' \
   'bench 300 bench_checkpoint --model qwen7b --workdir /tmp/ckpt --out $OUT/checkpoint.jsonl hardware=h200
    run rm -rf /tmp/ckpt'

@@ -158,3 +158,40 @@ def test_the_planner_counts_the_lean_layers_working_set():
     whole_rows = 2 * (3 * 28 + 4 * 4) * 128 * T + 2 * 4 * 28 * T
     assert whole_rows < lean < whole_rows + 2 * GIB
     assert lean < 0.5 * plain
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("docs", [False, True], ids=["one-doc", "packed"])
+def test_gpu_compiled_lean_layer_is_within_twice_the_plain_layers_bf16_error(docs):
+    """On the GPU, compiled as the engine runs it (`ModelSpec.layer_keeping_attention`, then `layer_grads` from the
+    kept output), bf16 weights under autocast, 2 x 4099 tokens in 2000-token chunks: the lean layer's output and
+    gradients against an fp32 plain layer, within 2x the bf16 plain layer's own error (+ a floor)."""
+    T = 4099
+    cfg = make_cfg(["model=qwen7b", "model.num_hidden_layers=1", f"train.seq_len={T}"])
+    spec = ModelSpec(cfg.model)
+    unit = spec.units[1]
+    flat = torch.empty(unit.layout.numel, device="cuda")
+    params = unit.layout.views(flat)
+    spec.init_unit(unit, params, seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, T, spec.arch.hidden, device="cuda", generator=gen)
+    dy = torch.randn(2, T, spec.arch.hidden, device="cuda", generator=gen)
+    pos = spec.positions(T, "cuda")
+    if docs:
+        starts = torch.arange(T, device="cuda", dtype=torch.int32) // 1500 * 1500
+        pos = pos.of_rows(torch.stack([starts, torch.zeros_like(starts)]))
+    y32, dx32, g32 = _plain(spec, params, x, dy, pos)
+    p16 = {k: (v.to(torch.bfloat16) if v.dim() == 2 else v) for k, v in params.items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y_ref, dx_ref, g_ref = _plain(spec, p16, x, dy, pos)
+        spec.set_layer_compute(LayerCompute(attention="triton", mlp_chunk_tokens=2000, lean=True))
+        spec.compile_templates()
+        with torch.no_grad():
+            y, kept = spec.layer_keeping_attention(p16, x, pos, 0)
+        dx, g = spec.layer_grads(p16, x, dy.clone(), pos, 0, kept=kept)
+    pairs = [("y", y, y_ref, y32), ("dx", dx, dx_ref, dx32)] + [(n, g[n], g_ref[n], g32[n]) for n in g32]
+    for name, lean, plain, exact in pairs:
+        lean_err = (lean.float() - exact).abs().max().item()
+        plain_err = (plain.float() - exact).abs().max().item()
+        assert lean_err <= 2 * plain_err + 2 ** -8 * exact.abs().max().item() / 16, \
+            f"{name}: lean {lean_err:.3g} vs plain {plain_err:.3g}"
