@@ -166,20 +166,29 @@ def test_every_placement_is_exact(placement, reference_runs):
 ])
 def test_recompute_groups_keep_every_nth_input_and_regenerate_the_rest(monkeypatch, every, over, stored):
     """With engine.recompute_group=g only every g-th layer input is kept; the backward regenerates the others by
-    running the group's forward again, and training stays bit-identical to the reference."""
+    running the group's forward again, and training stays bit-identical to the reference. On the host tier the
+    regenerated inputs go to g - 1 spare host entries per micro-batch, none waits on the compute device."""
     from engine.streaming.engine import StreamEngine
 
-    regenerated = []
+    regenerated, on_device = [], []
     original = StreamEngine._regenerate
-    monkeypatch.setattr(StreamEngine, "_regenerate",
-                        lambda self, i, mb: (regenerated.append(i), original(self, i, mb))[1])
+
+    def regenerate(self, i, mb):
+        regenerated.append(i)
+        original(self, i, mb)
+        on_device.extend(v for v in self.regenerated.values() if v is not None)
+
+    monkeypatch.setattr(StreamEngine, "_regenerate", regenerate)
     cfg, eng, _ = build("stream", [*over, f"engine.recompute_group={every}", "engine.fused_kernels=false"])
     assert eng.stored_inputs == stored
+    host_tier = "engine.activation_tier=gpu" not in over
+    assert eng.regenerate_spares == ((every - 1) * cfg.train.grad_accum if host_tier else 0)
     eng.close()
     rec, w, m, _ = train("stream", [*over, f"engine.recompute_group={every}", "engine.fused_kernels=false"],
                          steps=3)
     ref_rec, ref_w, ref_m, _ = train("reference", over, steps=3)
     assert regenerated, "no group was regenerated"
+    assert bool(on_device) != host_tier
     assert [r["loss"] for r in rec] == [r["loss"] for r in ref_rec]
     assert_same(w, ref_w)
     assert_same(m, ref_m)

@@ -34,9 +34,12 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
     """(every split that fits with `n_kept` kept graphs and recompute groups of `g`, the forced placement of the
     first split). HBM left after the fixed working set is spent in the package docstring's order."""
     host_free = nbytes["host_free"]
-    acts_on_gpu, free = _take(nbytes["activation"], e.activation_tier, nbytes["free"])
+    # a recompute group's inputs wait where the activations live: the whole group on the GPU, or all but its kept
+    # input on the host, with one input fetched ahead on the GPU
+    acts_on_gpu, free = _take(nbytes["activation"] + nbytes["regenerated"], e.activation_tier, nbytes["free"])
     if not acts_on_gpu:
-        host_free -= nbytes["activation"]
+        host_free -= nbytes["activation"] + nbytes["regenerated_host"]
+        free -= nbytes["fetched"]
     # the host cannot hold them (or the config says gpu): they outrank everything below
     grads_first = nbytes["grad"] > host_free or e.grads_tier == "gpu"
     grads_on_gpu = False
@@ -142,8 +145,17 @@ class StreamPlanner:
         return len(kept_layer_inputs(self.L, n_kept, g)) * 4 * self.s.h * self.s.step_tokens
 
     def regenerated_bytes(self, n_kept: int, g: int) -> int:
-        """One recompute group's regenerated inputs, held on the GPU during its backward."""
+        """One recompute group's inputs, held on the GPU during its backward when the activations live there."""
         return min(g, self.L - n_kept) * 4 * self.s.h * self.s.step_tokens if g > 1 else 0
+
+    def regenerated_host_bytes(self, n_kept: int, g: int) -> int:
+        """On the host tier: the spare entries a recompute group's regenerated inputs wait in (g - 1 per micro-batch,
+        the group's first input being a kept one)."""
+        return (min(g, self.L - n_kept) - 1) * 4 * self.s.h * self.s.step_tokens if g > 1 else 0
+
+    def fetched_input_bytes(self) -> int:
+        """On the host tier: the layer input fetched one micro-batch ahead for the backward, beside the current one."""
+        return 4 * self.s.h * self.s.mb_tokens
 
     def held_units(self, n_res: int) -> set:
         """The host-state units of the rank that holds the most of them (all of them on one rank)."""
@@ -200,11 +212,18 @@ class StreamPlanner:
         if n_str:
             plan.add(self.compute_tier, f"staging for GPU-streamed updates (state of the largest of {n_str} units, "
                      "x2)", self.s.staging_bytes(n_res, n_str))
-        plan.add(self.compute_tier if placement.activation_tier == "gpu" else "host",
-                 "layer-input activations (all micro-batches)", self.activation_bytes(n_kept, g))
-        if g > 1:
+        on_gpu = placement.activation_tier == "gpu"
+        plan.add(self.compute_tier if on_gpu else "host", "layer-input activations (all micro-batches)",
+                 self.activation_bytes(n_kept, g))
+        if g > 1 and on_gpu:
             plan.add(self.compute_tier, f"regenerated layer inputs (one group of {g}, all micro-batches)",
                      self.regenerated_bytes(n_kept, g))
+        if g > 1 and not on_gpu:
+            plan.add("host", f"regenerated layer inputs (one group of {g} less its kept input, all micro-batches)",
+                     self.regenerated_host_bytes(n_kept, g))
+        if not on_gpu and self.on_gpu:
+            plan.add(self.compute_tier, "layer input fetched ahead for the backward (one micro-batch)",
+                     self.fetched_input_bytes())
 
     def _gradient_rows(self, plan: MemoryPlan, placement: Placement, held: set) -> None:
         """Where the gradients wait for the global norm, and the bf16 transfer's copies."""
@@ -335,11 +354,10 @@ class _GpuSearch:
                             + p.fmt.grad_bytes(sum(lay.numel for lay in p.layouts[1:-1])
                                                - min(2, p.L) * p.s.layer_numel))
 
-    def hbm_left(self, n_kept: int, g: int) -> float:
+    def hbm_left(self, n_kept: int) -> float:
         """GPU bytes beyond the fixed working set, the layer ring, the shared accumulators and the margin."""
         p = self.p
-        return (p.gpu_gib * GIB - self.fixed_bytes[n_kept] - p.ring_bytes - p.side_grad_bytes - p.margin_gib * GIB
-                - p.regenerated_bytes(n_kept, g))
+        return p.gpu_gib * GIB - self.fixed_bytes[n_kept] - p.ring_bytes - p.side_grad_bytes - p.margin_gib * GIB
 
     def search(self, g: int) -> Tuple[List[Candidate], Placement, List[Candidate]]:
         """(every candidate placement with recompute groups of `g`, the forced placement of the first split, the
@@ -348,10 +366,11 @@ class _GpuSearch:
         candidates, fallback = [], None
         for n_kept in self.kept_choices:
             found, forced = _placements(p.s, p.e, n_kept, g, self.splits, self.fixed_split, {
-                "free": self.hbm_left(n_kept, g),
+                "free": self.hbm_left(n_kept),
                 "host_free": p.host_gib * GIB - sum(p.state_bytes) - 2 * GIB + p.nvme_room,
-                "activation": p.activation_bytes(n_kept, g), "grad": p.grad_bytes, "side_grad": p.side_grad_bytes,
-                "cache": p.cache_bytes, "ring": p.ring_bytes})
+                "activation": p.activation_bytes(n_kept, g), "regenerated": p.regenerated_bytes(n_kept, g),
+                "regenerated_host": p.regenerated_host_bytes(n_kept, g), "fetched": p.fetched_input_bytes(),
+                "grad": p.grad_bytes, "side_grad": p.side_grad_bytes, "cache": p.cache_bytes, "ring": p.ring_bytes})
             if fallback is None:
                 fallback = forced
             candidates += found
@@ -366,9 +385,14 @@ class _GpuSearch:
         cannot."""
         p = self.p
         for n_kept in self.kept_choices:
-            left = self.hbm_left(n_kept, g) + p.ring_bytes - min(p.ring_bytes, p.cache_bytes)  # cached slots: no ring
-            if left >= 0 and self.held_anyway + p.activation_bytes(n_kept, g) - left <= p.host_gib * GIB:
-                return True
+            left = self.hbm_left(n_kept) + p.ring_bytes - min(p.ring_bytes, p.cache_bytes)  # cached slots: no ring
+            acts = p.activation_bytes(n_kept, g)
+            # the activations on the GPU (a group regenerated there), or on the host (its spares there too)
+            for gpu_bytes, host_bytes in ((p.regenerated_bytes(n_kept, g), acts),
+                                          (p.fetched_input_bytes(), acts + p.regenerated_host_bytes(n_kept, g))):
+                spare = left - gpu_bytes
+                if spare >= 0 and self.held_anyway + host_bytes - spare <= p.host_gib * GIB:
+                    return True
         return False
 
     def run(self) -> Tuple[Placement, str]:

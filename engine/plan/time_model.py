@@ -28,7 +28,8 @@ def predict_stream(s: StepShape, sp: Speeds, placement: Placement) -> Tuple[Dict
     for half on an H100 and most on an H200, `bench/plan_backtest.py`). Exposed wait: forward time beyond its
     compute. Backward: per layer the larger of its compute and its transfers; the backward reaches a recompute
     group at its last layer, which also regenerates the group (the forward of its other layers, their weights loaded
-    again, the kept input brought in). The binding resource has the most busy time.
+    again, the kept input brought in; on the host tier its regenerated inputs go out over D2H and come back one by
+    one). The binding resource has the most busy time.
 
     Sharded state (`s.state_ranks` > 1, engine/distributed.py): a unit's host update, its H2D and its gradient's D2H
     run on its owner's CPU and link, so each rank's AdamW clock and link are pipelines of their own (the ring's
@@ -111,19 +112,24 @@ def predict_stream(s: StepShape, sp: Speeds, placement: Placement) -> Tuple[Dict
         layer_compute = sp.layer_bwd_s(s, 2) if kept else sp.layer_bwd_s(s, 3, s.recompute_skipped_flops)
         h2d = [0.0] * ranks
         h2d[link[u]] = 0.0 if kept else weights_in(u)
+        regenerated_out = 0.0
         if not kept and (u % g == 0 or u == first_kept - 1):  # the last layer of its group: regenerate the group
             others = range(u - (u - 1) % g, u)  # the layers from the one reading the kept input up to u - 1
             layer_compute += sp.layer_fwd_s(s, len(others))
             for v in others:
                 h2d[link[v]] += weights_in(v)
-            for q in range(ranks):
-                h2d[q] += layer_input_bytes / sp.h2d if activations_host else 0.0
+            if activations_host:  # the kept input comes in; the regenerated ones go out, and back in for their layers
+                regenerated_out = len(others) * layer_input_bytes / sp.d2h
+                for q in range(ranks):
+                    h2d[q] += (1 + len(others)) * layer_input_bytes / sp.h2d
         grad_out = s.transfer_bytes(numel[u]) / sp.d2h if grads_host and place[u] == "host" else 0.0
-        backward += max(layer_compute, max(h2d), grad_out)
+        backward += max(layer_compute, max(h2d), grad_out + regenerated_out)
         bwd_compute += layer_compute
         for q in range(ranks):
             bwd_h2d[q] += h2d[q]
         bwd_d2h[link[u]] += grad_out
+        for q in range(ranks):
+            bwd_d2h[q] += regenerated_out
     if ranks > 1:  # the ranks' links work side by side: the busiest one, or the compute, sets the pace
         backward = max(bwd_compute, max(bwd_h2d), max(bwd_d2h))
     h2d_busy = [a + b for a, b in zip(h2d_busy, bwd_h2d)]

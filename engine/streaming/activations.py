@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -17,11 +17,14 @@ class ActivationStore:
 
     Entry (i, m) is the input of decoder layer i (0-based) for micro-batch m; the head's input never leaves the GPU.
     Host-tier entries are copied out on the D2H stream once compute has produced them (record_stream keeps the GPU
-    tensor alive for that copy) and fetched back on the H2D stream for the backward, one micro-batch ahead.
+    tensor alive for that copy) and fetched back on the H2D stream for the backward, one micro-batch ahead. A kept
+    input may be fetched more than once (a recompute group reads it, then its layer's backward). `spare_entries`
+    more host entries hold the inputs a recompute group regenerates, each from its `put` to its `get`.
     """
 
     def __init__(self, dev: Device, h2d_stream, d2h_stream, host_buffer: Optional[torch.Tensor],
-                 layer_inputs: Sequence[int], micro_batches: int, shape_BTD: tuple, timer: StallTimer):
+                 layer_inputs: Sequence[int], micro_batches: int, shape_BTD: tuple, timer: StallTimer,
+                 spare_entries: int = 0):
         self.dev, self.h2d, self.d2h, self.timer = dev, h2d_stream, d2h_stream, timer
         self.shape = shape_BTD
         self.numel = shape_BTD[0] * shape_BTD[1] * shape_BTD[2]
@@ -29,19 +32,31 @@ class ActivationStore:
         self.gpu: Dict[tuple, torch.Tensor] = {}
         self.host: Dict[tuple, torch.Tensor] = {}
         self.pending: Dict[tuple, tuple] = {}
+        self.spares: List[torch.Tensor] = []  # host entries free for other keys (a recompute group's inputs)
+        self.spare_keys: Set[tuple] = set()  # keys that hold a spare entry until their `get`
         if host_buffer is not None:
-            need = len(layer_inputs) * micro_batches * self.numel
+            fixed = len(layer_inputs) * micro_batches
+            need = (fixed + spare_entries) * self.numel
             if host_buffer.numel() < need:
                 raise ValueError(f"host activation buffer holds {host_buffer.numel()} elements, needs {need}")
             for n, i in enumerate(layer_inputs):
                 for m in range(micro_batches):
                     k = (n * micro_batches + m) * self.numel
                     self.host[(i, m)] = host_buffer[k:k + self.numel].view(shape_BTD)
+            self.spares = [host_buffer[k * self.numel:(k + 1) * self.numel].view(shape_BTD)
+                           for k in range(fixed, fixed + spare_entries)]
 
     def put(self, i: int, m: int, x: torch.Tensor) -> None:
+        """Keep x as entry (i, m): a layer input of `layer_inputs`, or on the host any other key, which takes a spare
+        entry until its `get` (a spare is reused only after the compute stream has waited for its last read)."""
         if self.on_gpu:
             self.gpu[(i, m)] = x
             return
+        if (i, m) not in self.host:
+            if not self.spares:
+                raise RuntimeError(f"activation store: no spare host entry for layer input {i}, micro-batch {m}")
+            self.host[(i, m)] = self.spares.pop()
+            self.spare_keys.add((i, m))
         done = self.dev.event()
         done.record()
         with self.dev.on(self.d2h), self.timer.busy(self.d2h, "d2h"):
@@ -70,8 +85,14 @@ class ActivationStore:
         x, ready = self.pending.pop((i, m))
         self.timer.wait(ready, "activation")
         self.dev.record_stream(x, self.dev.current_stream())
+        if (i, m) in self.spare_keys:
+            self.spare_keys.discard((i, m))
+            self.spares.append(self.host.pop((i, m)))
         return x
 
     def clear(self) -> None:
         self.gpu.clear()
         self.pending.clear()
+        for key in self.spare_keys:
+            self.spares.append(self.host.pop(key))
+        self.spare_keys.clear()

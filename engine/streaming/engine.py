@@ -138,7 +138,9 @@ class StreamEngine:
         # with index i % recompute_group == 0 are kept; the backward regenerates the others (`_regenerate`)
         self.recompute_group = placement.recompute_group
         self.stored_inputs = list(placement.kept_layer_inputs)
-        activation_numel = 0 if activations_on_gpu else len(self.stored_inputs) * M * B * T * D
+        # on the host tier a group's regenerated inputs go to the host too, into g - 1 spare entries per micro-batch
+        self.regenerate_spares = 0 if activations_on_gpu else (self.recompute_group - 1) * M
+        activation_numel = 0 if activations_on_gpu else (len(self.stored_inputs) * M + self.regenerate_spares) * B * T * D
         n_units = len(spec.units)
         # the three update places (engine/placement.py), in forward order: GPU-resident, GPU-streamed, host
         n_resident = placement.gpu_resident_units
@@ -257,8 +259,10 @@ class StreamEngine:
         self.sq_slices = self.sq_norms.split(n_tensors)
 
         self.activations = ActivationStore(self.dev, self.h2d, self.d2h, self.store.activations,
-                                           self.stored_inputs, M, self.shape_BTD, self.timer)
-        self.regenerated: Dict[Tuple[int, int], torch.Tensor] = {}  # (input index, micro-batch) -> layer input
+                                           self.stored_inputs, M, self.shape_BTD, self.timer,
+                                           spare_entries=self.regenerate_spares)
+        # (input index, micro-batch) -> a regenerated layer input on the GPU, or None: in the activation store
+        self.regenerated: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         self.tables = spec.positions(t.seq_len, device)
         self.pos: List[Positions] = []  # the current step's micro-batches' positions
         self.version = 0  # number of optimizer passes submitted: the weights' generation
@@ -554,7 +558,7 @@ class StreamEngine:
             self._finish_grad(unit, grad_hook)
 
     def _prefetch_input(self, i: int, m: int) -> None:
-        if i in self.stored_inputs and (i, m) not in self.regenerated:
+        if self.regenerated.get((i, m)) is None and (i in self.stored_inputs or (i, m) in self.regenerated):
             self.activations.prefetch(i, m)
 
     def _layer_input(self, i: int, m: int) -> torch.Tensor:
@@ -564,18 +568,24 @@ class StreamEngine:
     def _regenerate(self, i: int, micro_batches: int) -> None:
         """Layer inputs base..i of every micro-batch, base the first input of i's recompute group: the kept input
         of layer base, then the forward (no autograd) of the layers between, layer-major so each one's weights
-        load once. Bit-identical to what the forward computed (the same ops on the same weights)."""
+        load once. Bit-identical to what the forward computed (the same ops on the same weights). On the GPU tier
+        they wait on the GPU for their layers' backward; on the host tier they go to the activation store's spare
+        entries (the kept input stays in its own), to be fetched back one ahead like kept inputs."""
         spec, base = self.spec, i - i % self.recompute_group
+        on_host = not self.activations.on_gpu
         x = [self.activations.get(base, m) for m in range(micro_batches)]
-        for m in range(micro_batches):
-            self.regenerated[(base, m)] = x[m]
+        if not on_host:
+            for m in range(micro_batches):
+                self.regenerated[(base, m)] = x[m]
         order = list(range(base + 1, i + 1))  # layer unit u maps input u - 1 to input u
         for k, unit in enumerate(order):
             p = self._enter(order, k)
             with torch.no_grad(), autocast_ctx(self.dev.device, self.compute_dtype):
                 for m in range(micro_batches):
                     x[m] = spec.layer(p, x[m], self.pos[m], unit - 1)
-                    self.regenerated[(unit, m)] = x[m]
+                    if on_host:
+                        self.activations.put(unit, m, x[m])
+                    self.regenerated[(unit, m)] = None if on_host else x[m]
             self._release(unit)
 
     def _embed_backward(self, ids: List[torch.Tensor], dx: List[torch.Tensor], grad_hook) -> None:
