@@ -341,6 +341,11 @@ class EngineConfig:
     # it (saves 2 x params x tokens FLOPs per layer, costs that layer's saved activations in GPU memory);
     # -1: as many as the planner finds fastest (spare HBM spent on compute)
     keep_activation_layers: int = -1
+    # stream, the lean layer (train.lean_layer): the last N recomputed layers keep their attention output and its
+    # log-sum-exp on the GPU from the forward, so their backward does not run attention's forward again (2 B x heads
+    # x head_dim per token and layer); -1: as many as the HBM the chosen placement leaves allows (0 without the lean
+    # layer)
+    kept_attention_layers: int = -1
     # stream: recompute groups. Of the recomputed layers, only every N-th layer input is kept for the backward, which
     # regenerates the others group by group from it (N - 1 extra layer forwards per group, the group's N inputs on
     # the GPU meanwhile); -1: 1 (every input kept), or the smallest N with which the plan fits
@@ -582,6 +587,10 @@ def _validate_engine(cfg: DictConfig) -> None:
     _positive("engine.gpu_resident_units", e.gpu_resident_units, -1)
     _positive("engine.gpu_streamed_units", e.gpu_streamed_units, -1)
     _positive("engine.keep_activation_layers", e.keep_activation_layers, -1)
+    _positive("engine.kept_attention_layers", e.kept_attention_layers, -1)
+    if e.kept_attention_layers > cfg.model.num_hidden_layers:
+        raise ConfigError(f"engine.kept_attention_layers={e.kept_attention_layers} must be <= "
+                          f"model.num_hidden_layers={cfg.model.num_hidden_layers} (or -1: as many as fit)")
     if e.keep_activation_layers > cfg.model.num_hidden_layers:
         raise ConfigError(f"engine.keep_activation_layers={e.keep_activation_layers} must be <= "
                           f"model.num_hidden_layers={cfg.model.num_hidden_layers}")

@@ -42,6 +42,8 @@ class Placement:
     slots: int = 2  # the ring of layer slots
     keep_activation_layers: int = 0  # the last N layers keep their forward graph instead of recomputing it
     recompute_group: int = 1  # one kept layer input per group of this many recomputed layers
+    # the last N recomputed layers (lean layer only) keep their attention output on the GPU for the backward
+    kept_attention_layers: int = 0
     activation_tier: Tier = "host"  # where the kept layer inputs live
     grads_tier: Tier = "host"  # where the gradients wait for the global norm
     cache_weights: bool = False  # every layer's weights stay on the GPU from forward to backward
@@ -54,7 +56,9 @@ class Placement:
             if getattr(self, name) not in TIERS:
                 raise ValueError(f"Placement.{name}={getattr(self, name)!r}: one of {', '.join(TIERS)}")
         if self.gpu_resident_units + self.gpu_streamed_units > self.n_units or min(
-                self.gpu_resident_units, self.gpu_streamed_units, self.nvme_units, self.keep_activation_layers) < 0 \
+                self.gpu_resident_units, self.gpu_streamed_units, self.nvme_units, self.keep_activation_layers,
+                self.kept_attention_layers) < 0 \
+                or self.keep_activation_layers + self.kept_attention_layers > self.num_layers \
                 or self.recompute_group < 1 or self.slots < 1:
             raise ValueError(f"not a placement of {self.n_units} units: {self}")
 
@@ -86,6 +90,13 @@ class Placement:
     @property
     def kept_layer_inputs(self) -> range:
         return kept_layer_inputs(self.num_layers, self.keep_activation_layers, self.recompute_group)
+
+    @property
+    def kept_attention_units(self) -> range:
+        """The decoder-layer units whose forward keeps its attention output for the backward: the last
+        `kept_attention_layers` of the recomputed layers (the first the backward reaches)."""
+        last = self.num_layers - self.keep_activation_layers
+        return range(last - self.kept_attention_layers + 1, last + 1)
 
     def place_of(self, unit: int) -> str:
         """"resident", "streamed" or "host": where `unit` is updated."""

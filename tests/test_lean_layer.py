@@ -113,13 +113,20 @@ def test_the_autograd_wrapper_gives_lean_backwards_gradients():
         assert torch.equal(got, g[name]), name
 
 
-def test_stream_equals_reference_with_the_lean_layer():
+@pytest.mark.parametrize("kept_attention", [0, 1], ids=["recomputed", "kept"])
+def test_stream_equals_reference_with_the_lean_layer(monkeypatch, kept_attention):
     """Both engines train bit-identically through the lean layer: the reference's autograd Function keeps the
-    attention output, the streaming engine runs attention's forward again in its backward (same kernel, same bits)."""
+    attention output; the streaming engine's recomputed layers run attention's forward again in their backward (same
+    kernel, same bits), or with engine.kept_attention_layers take the output their forward kept."""
+    kept_forwards = []
+    original = ModelSpec.layer_keeping_attention
+    monkeypatch.setattr(ModelSpec, "layer_keeping_attention",
+                        lambda self, *a: (kept_forwards.append(a[-1]), original(self, *a))[1])
     over = [*WIDE_HEADS, "train.attention=triton", "train.lean_layer=on", "train.mlp_chunk_tokens=20",
             "train.grad_accum=1", "model.num_hidden_layers=2"]  # the interpreted kernel is slow: a small step
     rec_r, w_r, m_r, _ = train("reference", over, steps=2)
-    rec_s, w_s, m_s, _ = train("stream", over, steps=2)
+    rec_s, w_s, m_s, _ = train("stream", [*over, f"engine.kept_attention_layers={kept_attention}"], steps=2)
+    assert kept_forwards == [1] * 2 * kept_attention  # the last layer (0-based 1), once a step
     assert [r["loss"] for r in rec_s] == [r["loss"] for r in rec_r]
     assert_same(w_s, w_r)
     assert_same(m_s, m_r)

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 from engine.distributed import state_owners
 from engine.execution import Execution
 from engine.formats import StateFormat
+from engine.model.lean import kept_attention_bytes_per_token
 from engine.placement import Placement, kept_layer_inputs, nvme_layers
 from engine.plan.memory import GIB, MemoryPlan, PlanError, add_process_row, process_host_bytes
 from engine.plan.shape import StepShape
@@ -153,6 +154,22 @@ class StreamPlanner:
         the group's first input being a kept one)."""
         return (min(g, self.L - n_kept) - 1) * 4 * self.s.h * self.s.step_tokens if g > 1 else 0
 
+    def kept_attention_bytes(self, layers: int) -> int:
+        """The attention outputs and log-sum-exps `layers` lean layers keep on the GPU, all micro-batches."""
+        return layers * kept_attention_bytes_per_token(self.spec.arch, self.s.compute_bytes) * self.s.step_tokens
+
+    def with_kept_attention(self, placement: Placement, free: float) -> Placement:
+        """`placement` with the kept attention outputs of engine.kept_attention_layers (-1: as many of the recomputed
+        layers as `free` GPU bytes hold, the lean layer only), checked against the placement's own rows."""
+        recomputed = self.L - placement.keep_activation_layers
+        if self.e.kept_attention_layers >= 0:
+            return replace(placement, kept_attention_layers=min(self.e.kept_attention_layers, recomputed))
+        per_layer = self.kept_attention_bytes(1)
+        n = min(recomputed, int(max(0.0, free) // per_layer)) if self.s.lean else 0
+        while n > 0 and self.rows_for(replace(placement, kept_attention_layers=n)).problem():
+            n -= 1
+        return replace(placement, kept_attention_layers=n)
+
     def fetched_input_bytes(self) -> int:
         """On the host tier: the layer input fetched one micro-batch ahead for the backward, beside the current one."""
         return 4 * self.s.h * self.s.mb_tokens
@@ -182,6 +199,9 @@ class StreamPlanner:
         else:
             plan.add(self.compute_tier, f"layer slots: ring of {min(self.e.slots, self.L)} (+ one per GPU-resident "
                      "layer)", self.ring_bytes + self.s.own_slot_bytes(placement.gpu_resident_units))
+        if placement.kept_attention_layers:
+            plan.add(self.compute_tier, f"attention outputs kept for the backward ({placement.kept_attention_layers} "
+                     "lean layers, all micro-batches)", self.kept_attention_bytes(placement.kept_attention_layers))
         if self.on_gpu:
             plan.reserve("gpu", "allocator margin + CUDA context (reserved, not allocated)", int(self.margin_gib * GIB))
         process_bytes = add_process_row(plan, self.hw, self.s.compile_workers)
@@ -312,7 +332,9 @@ class StreamPlanner:
             n_units=self.n_units, slots=min(e.slots, self.L), keep_activation_layers=max(0, e.keep_activation_layers),
             recompute_group=max(1, e.recompute_group), activation_tier="gpu" if e.activation_tier == "gpu" else "host",
             grads_tier="gpu" if e.grads_tier == "gpu" else "host", cache_weights=e.cache_weights == "on",
-            gpu_resident_units=n_res, gpu_streamed_units=min(self.streamed_default(n_res), self.n_units - n_res)))
+            gpu_resident_units=n_res, gpu_streamed_units=min(self.streamed_default(n_res), self.n_units - n_res),
+            kept_attention_layers=min(max(0, e.kept_attention_layers), self.L - max(0, e.keep_activation_layers))
+            if self.s.lean else 0))
 
     def plan(self) -> MemoryPlan:
         unfit_note = ""
@@ -413,4 +435,5 @@ class _GpuSearch:
         chosen = choose_split(p.s, p.sp, fitting)
         if chosen is None and candidates:  # nothing fits both tiers: the closest plan, for the refusal to show
             chosen = min(candidates, key=lambda c: p.rows_for(c[0]).overflow_bytes())
-        return (chosen[0] if chosen else fallback), unfit_note
+        placement, free = chosen if chosen else (fallback, 0.0)
+        return p.with_kept_attention(placement, free), unfit_note

@@ -49,6 +49,7 @@ def predict_stream(s: StepShape, sp: Speeds, placement: Placement) -> Tuple[Dict
     first_kept = s.L - placement.keep_activation_layers + 1  # layers from here on keep their graphs
     g = placement.recompute_group
     kept_inputs = placement.kept_layer_inputs
+    kept_attention = set(placement.kept_attention_units)
     on_disk = set(placement.disk_units)
 
     def host_update_s(u: int) -> float:
@@ -109,7 +110,9 @@ def predict_stream(s: StepShape, sp: Speeds, placement: Placement) -> Tuple[Dict
     bwd_compute, bwd_h2d, bwd_d2h = 0.0, [0.0] * ranks, [0.0] * ranks
     for u in range(1, s.L + 1):
         kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
-        layer_compute = sp.layer_bwd_s(s, 2) if kept else sp.layer_bwd_s(s, 3, s.recompute_skipped_flops)
+        attention_kept = u in kept_attention  # a lean layer's attention output kept: no attention forward again
+        layer_compute = sp.layer_bwd_s(s, 2) if kept else sp.layer_bwd_s(s, 3, s.recompute_skipped_flops,
+                                                                          2 if attention_kept else 0)
         h2d = [0.0] * ranks
         h2d[link[u]] = 0.0 if kept else weights_in(u)
         regenerated_out = 0.0

@@ -225,6 +225,12 @@ class StreamEngine:
         # the last `keep_activation_layers` layers keep their forward's autograd graph (no recompute); the graph
         # reads the layer's weights in its slot, so each has a slot of its own until its backward
         self.kept_layers = set(range(L - placement.keep_activation_layers + 1, L + 1))
+        # the recomputed layers whose forward keeps its attention output on the GPU (the lean layer's KeptAttention)
+        self.kept_attention_units = set(placement.kept_attention_units)
+        if self.kept_attention_units and not spec.compute.lean:
+            raise ValueError(f"engine.kept_attention_layers={placement.kept_attention_layers} needs the lean layer "
+                             "(train.lean_layer), whose backward takes a kept attention output")
+        self.kept_attention: Dict[Tuple[int, int], object] = {}  # (unit, micro-batch) -> lean.KeptAttention
         self.kept_slots = {} if self.cache_weights else {
             u: self.loader.new_slot([layouts[u]]) for u in sorted(self.kept_layers) if u not in self.device_slots}
         self.graphs: Dict[Tuple[int, int], tuple] = {}  # (layer unit, micro-batch) -> (input leaf, output, params)
@@ -494,6 +500,8 @@ class StreamEngine:
                         y = spec.layer(p, x_in, self.pos[m], k - 1)
                         self.graphs[(k, m)] = (x_in, y, p)
                         x[m] = y.detach()
+                    elif keep and k in self.kept_attention_units:
+                        x[m], self.kept_attention[(k, m)] = spec.layer_keeping_attention(p, x[m], self.pos[m], k - 1)
                     else:
                         x[m] = spec.layer(p, x[m], self.pos[m], k - 1)
             self._release(k)
@@ -550,7 +558,8 @@ class StreamEngine:
                 else:
                     x_in = self._layer_input(unit - 1, m).requires_grad_()
                     with autocast_ctx(self.dev.device, self.compute_dtype):
-                        dx[m], layer_grads = spec.layer_grads(p, x_in, dx[m], self.pos[m], unit - 1)
+                        dx[m], layer_grads = spec.layer_grads(p, x_in, dx[m], self.pos[m], unit - 1,
+                                                              kept=self.kept_attention.pop((unit, m), None))
                 acc.add(layer_grads, self._sq_norms_out(unit, m == len(dx) - 1))
                 del layer_grads, x_in
             self._release(unit)
@@ -622,6 +631,7 @@ class StreamEngine:
         del dx
         self.activations.clear()
         self.regenerated.clear()
+        self.kept_attention.clear()
 
         if self.dp.active:  # the norm reads the sums of squares the comm stream wrote, one rank's each: summed
             reduced = self.dev.event()
