@@ -294,6 +294,7 @@ BAD = {
     "engine.gpu_resident_units": ["engine.gpu_resident_units=-2"],
     "engine.gpu_streamed_units": ["engine.gpu_streamed_units=-2"],
     "engine.keep_activation_layers": ["engine.keep_activation_layers=-2", "engine.keep_activation_layers=99"],
+    "engine.kept_attention_layers": ["engine.kept_attention_layers=-2", "engine.kept_attention_layers=99"],
     "engine.nvme_units": ["engine.nvme_units=-2", "engine.nvme_units=x",
                           "engine=stream engine.nvme_units=1 train.moments_dtype=int8"],
     "engine.recompute_group": ["engine.recompute_group=0", "engine.recompute_group=-2",

@@ -13,10 +13,12 @@ One step over M micro-batches:
    input with autograd on and back-propagated with `torch.autograd.grad` (`ModelSpec.layer_grads`: a dense layer's
    recompute stops before the down projection, whose output no gradient needs). The last `keep_activation_layers` layers
    skip that recompute: their forward ran with autograd on and kept its graph (which reads the weights in the layer's
-   own slot), so their backward starts from it. With recompute groups (`recompute_group` = g > 1, for contexts whose
-   layer inputs do not fit: 7 GiB per layer for qwen7b at 512K tokens) only every g-th layer input is kept; when the
-   backward reaches a group, the group's forward runs again without autograd from its kept input, layer-major (each
-   layer's weights load once more), and its g inputs stay on the GPU until their layers' backward: s - 1 extra layer
+   own slot), so their backward starts from it. The lean layer's last `kept_attention_layers` recomputed layers keep
+   their attention output on the GPU from the forward, and their backward runs no attention forward. With recompute
+   groups (`recompute_group` = g > 1, for contexts whose layer inputs do not fit: 7 GiB per layer for qwen7b at 512K
+   tokens) only every g-th layer input is kept; when the backward reaches a group, the group's forward runs again
+   without autograd from its kept input, layer-major (each layer's weights load once more), and its inputs wait for
+   their layers' backward on the GPU, or on the host tier in spare host entries (fetched back one ahead): s - 1 extra layer
    forwards per group of s layers, exact (the same ops on the same weights), where keeping inputs in bf16 instead would
    not be. The layer's gradient accumulates in fp32 on the GPU over micro-batches (bf16 autograd gradients are upcast
    exactly, as autocast's cast-backward does in the reference); the last micro-batch's accumulation also writes each
