@@ -20,7 +20,7 @@ from engine.model.dense import AUTO_MLP_CHUNK_TOKENS, LEAN_CHUNK_TOKENS, LayerCo
 from engine.model.lean import lean_backward, lean_forward, lean_layer, resolve_lean_layer
 from engine.plan import GIB, layer_working_bytes
 from tests.test_engine_equivalence import assert_same, train
-from tests.util import SMALL, make_cfg
+from tests.util import FP32, SMALL, make_cfg
 
 WIDE_HEADS = ["model.hidden_size=96", "model.num_attention_heads=6", "model.num_key_value_heads=2"]
 QWEN3 = ["model.model_type=qwen3", "model.qkv_bias=false", "model.qk_norm=true"]
@@ -202,3 +202,20 @@ def test_gpu_compiled_lean_layer_is_within_twice_the_plain_layers_bf16_error(doc
         plain_err = (plain.float() - exact).abs().max().item()
         assert lean_err <= 2 * plain_err + 2 ** -8 * exact.abs().max().item() / 16, \
             f"{name}: lean {lean_err:.3g} vs plain {plain_err:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_stream_with_the_lean_layer_matches_the_reference_in_fp32():
+    """On the GPU, fp32, compiled: the streaming engine with the lean layer, a kept attention output and a recompute
+    group regenerated into host memory trains as the reference engine with the lean layer, to fp32 rounding (the two
+    run different AdamW kernels)."""
+    from tests.test_stream_gpu import run
+
+    over = [*WIDE_HEADS, "model.num_hidden_layers=4", "train.attention=triton", "train.lean_layer=on",
+            "train.mlp_chunk_tokens=150", *FP32]
+    stream = ["engine.kept_attention_layers=1", "engine.recompute_group=2", "engine.activation_tier=host",
+              "engine.grads_tier=host", "engine.cache_weights=off", "engine.keep_activation_layers=0"]
+    losses_r, w_r, _ = run("reference", over, "fp32", compile_mode="on")
+    losses_s, w_s, _ = run("stream", [*over, *stream], "fp32", compile_mode="on")
+    torch.testing.assert_close(torch.tensor(losses_s), torch.tensor(losses_r), rtol=1e-5, atol=0)
+    assert_same(w_s, w_r, exact=False, rtol=1e-4, atol=1e-6)
