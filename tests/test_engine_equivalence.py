@@ -357,7 +357,7 @@ def test_kept_layers_are_not_recomputed():
     calls, recomputes = [], []
     layer, layer_grads = eng.spec.layer, eng.spec.layer_grads
     eng.spec.layer = lambda p, x, rope, i: calls.append(torch.is_grad_enabled()) or layer(p, x, rope, i)
-    eng.spec.layer_grads = lambda p, x, dy, rope, i: recomputes.append(i) or layer_grads(p, x, dy, rope, i)
+    eng.spec.layer_grads = lambda p, x, dy, rope, i, **kw: recomputes.append(i) or layer_grads(p, x, dy, rope, i, **kw)
     t = cfg.train
     try:
         eng.train_step([data.batch("train", j, t.micro_batch_size) for j in range(t.grad_accum)], 1e-3)

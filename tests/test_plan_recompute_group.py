@@ -135,7 +135,7 @@ def test_attention_figures_time_the_layers_attention_apart():
     over the layer rate, forward and backward (3 forwards with recompute), and the plan says which rates it used."""
     fixed = ["engine.keep_activation_layers=0", "engine.recompute_group=2", "engine.activation_tier=host",
              "engine.grads_tier=gpu", "engine.cache_weights=on", "engine.gpu_resident_units=30",
-             "engine.gpu_streamed_units=0", *SMALL_STATE]
+             "engine.gpu_streamed_units=0", "engine.kept_attention_layers=0", *SMALL_STATE]
     cfg = make_cfg([*LONG, *fixed, "hardware.attn_fwd_tflops=0", "hardware.attn_bwd_tflops=0"])
     spec = ModelSpec(cfg.model)
     s = StepShape(spec, cfg, on_gpu=True, fmt=StateFormat.of(cfg.train))
@@ -216,3 +216,22 @@ def test_qwen7b_at_512k_plans_to_fit_the_h100_machine_with_the_defaults():
                       on_gpu=True)
     assert not plan.problem() and plan.placement.recompute_group > 1 and plan.placement.activation_tier == "host"
     assert "working activations" in plan.table()
+
+
+def test_a_kept_attention_output_saves_its_layers_attention_forward_in_the_backward():
+    """qwen7b at 512K on the lean layer: each recomputed layer that keeps its attention output is timed with one
+    attention forward less in its backward (compute-bound at this length), and planned as a GPU row."""
+    fixed = ["engine.keep_activation_layers=0", "engine.recompute_group=2", "engine.activation_tier=host",
+             "engine.grads_tier=gpu", "engine.cache_weights=on", "engine.gpu_resident_units=30",
+             "engine.gpu_streamed_units=0", "engine.kept_attention_layers=3", "train.lean_layer=on", *SMALL_STATE]
+    cfg = make_cfg([*LONG, *fixed])
+    spec = ModelSpec(cfg.model)
+    s = StepShape(spec, cfg, on_gpu=True, fmt=StateFormat.of(cfg.train))
+    plan = build_plan(spec, cfg, 139.0, 125.0, on_gpu=True, check=False)
+    assert plan.placement.kept_attention_layers == 3 and list(plan.placement.kept_attention_units) == [26, 27, 28]
+    per_token = 2 * 28 * 128 + 4 * 28
+    assert ("gpu", "attention outputs kept for the backward (3 lean layers, all micro-batches)",
+            3 * per_token * 524288) in plan.rows
+    sp = Speeds(cfg.hardware, compiled=True, attention="triton")
+    kept, none = (predict_stream(s, sp, replace(plan.placement, kept_attention_layers=n))[0] for n in (3, 0))
+    assert none["backward"] - kept["backward"] == pytest.approx(3 * s.layer_attn_fwd_flops / sp.attn_bwd, rel=1e-9)
