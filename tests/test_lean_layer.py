@@ -15,7 +15,7 @@ import torch
 
 from engine.config import ConfigError
 from engine.execution import Execution
-from engine.model import ModelSpec
+from engine.model import ModelSpec, dense
 from engine.model.dense import AUTO_MLP_CHUNK_TOKENS, LEAN_CHUNK_TOKENS, LayerCompute, decoder_layer
 from engine.model.lean import lean_backward, lean_forward, lean_layer, resolve_lean_layer
 from engine.plan import GIB, layer_working_bytes
@@ -219,3 +219,19 @@ def test_gpu_stream_with_the_lean_layer_matches_the_reference_in_fp32():
     losses_s, w_s, _ = run("stream", [*over, *stream], "fp32", compile_mode="on")
     torch.testing.assert_close(torch.tensor(losses_s), torch.tensor(losses_r), rtol=1e-5, atol=0)
     assert_same(w_s, w_r, exact=False, rtol=1e-4, atol=1e-6)
+
+
+def test_the_heads_chunked_norm_back_propagates_as_the_plain_one(monkeypatch):
+    """Above NORM_CHUNK_TOKENS the head's final norm saves only its input and rebuilds itself chunk by chunk in
+    the backward: the input gradient equals the plain norm's row for row, the weight's to fp32 rounding."""
+    monkeypatch.setattr(dense, "NORM_CHUNK_TOKENS", 16)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(53, 24, generator=gen).requires_grad_()
+    w = (1 + 0.1 * torch.randn(24, generator=gen)).requires_grad_()
+    dy = torch.randn(53, 24, generator=gen)
+    want = torch.autograd.grad(dense.rms_norm(x, w, 1e-6), (x, w), dy)
+    y = dense.final_norm(x, w, 1e-6)
+    assert torch.equal(y, dense.rms_norm(x, w, 1e-6)) and y.grad_fn.name().endswith("_ChunkedRmsNormBackward")
+    got = torch.autograd.grad(y, (x, w), dy)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)

@@ -144,6 +144,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+NORM_CHUNK_TOKENS = 65536  # the fused head's final norm back-propagates in chunks of this many tokens above it
+
+
+class _ChunkedRmsNorm(torch.autograd.Function):
+    """rms_norm that saves only its input and weight; its backward rebuilds the norm chunk by chunk, so the fp32
+    temporaries of the norm's backward span one chunk of tokens, not all of them (7 GiB each for qwen7b at 512K).
+    The input gradient is the unchunked one row for row; the weight's is summed over chunks in fp32."""
+
+    @staticmethod
+    def forward(ctx, x_ND, weight, eps, chunk_tokens):
+        ctx.save_for_backward(x_ND, weight)
+        ctx.eps, ctx.chunk_tokens = eps, chunk_tokens
+        return rms_norm(x_ND, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        x_ND, weight = ctx.saved_tensors
+        w = weight.detach().requires_grad_()
+        dx = torch.empty_like(x_ND)
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, x_ND.shape[0], ctx.chunk_tokens):
+            xs = x_ND[start:start + ctx.chunk_tokens].detach().requires_grad_()
+            with torch.enable_grad():
+                ys = rms_norm(xs, w, ctx.eps)
+            gx, gw = torch.autograd.grad(ys, (xs, w), dy_ND[start:start + ctx.chunk_tokens])
+            dx[start:start + ctx.chunk_tokens] = gx
+            dw += gw
+        return dx, dw.to(weight.dtype), None, None
+
+
+def final_norm(x_ND: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The head's norm over [N, D]; above NORM_CHUNK_TOKENS tokens with autograd on, `_ChunkedRmsNorm`."""
+    if torch.is_grad_enabled() and x_ND.shape[0] > NORM_CHUNK_TOKENS:
+        return _ChunkedRmsNorm.apply(x_ND, weight, eps, NORM_CHUNK_TOKENS)
+    return rms_norm(x_ND, weight, eps)
+
+
 def embed(p: Params, ids_BT: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids_BT, p[EMBED])
 
@@ -268,7 +305,7 @@ def fused_loss_sum(p: Params, x_BTD: torch.Tensor, labels_BT: torch.Tensor, a: D
     is finished in the forward, so the backward recomputes no logits (3 head matmuls instead of 4). The final norm runs
     in torch over all tokens; its output and the head matrix are cast to the autocast dtype as F.linear would."""
     x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-    y_ND = rms_norm(x_ND, p[FINAL_NORM], a.eps)
+    y_ND = final_norm(x_ND, p[FINAL_NORM], a.eps)
     lm_w = _lm_weight(p, tied_weight)
     if torch.is_autocast_enabled(x_ND.device.type):
         dtype = torch.get_autocast_dtype(x_ND.device.type)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from engine.model import moe
 from engine.model.attention import HAVE_FLASH_ATTN
-from engine.model.dense import FUSED_LOSS_CHUNK_ELEMS, LOSS_CHUNK_ELEMS, mlp_chunked
+from engine.model.dense import FUSED_LOSS_CHUNK_ELEMS, LOSS_CHUNK_ELEMS, NORM_CHUNK_TOKENS, mlp_chunked
 from engine.model.lean import kept_attention_bytes_per_token
 
 
@@ -95,10 +95,14 @@ def layer_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, m
 def loss_activation_bytes(spec, tokens: int, compute_bytes: int, fused: bool) -> int:
     """The head's working memory for one micro-batch of `tokens`."""
     a = spec.arch
-    if fused:  # one chunk of logits, the saved dh and the fp32 dW (+ its copy in the weight's dtype)
+    if fused:  # one chunk of logits, the saved dh and the fp32 dW (+ its copy in the weight's dtype), the residual
+        # gradient, and two fp32 temporaries of the final norm's backward, over one norm chunk (qwen7b at 512K on an
+        # H100 ran out of memory asking for a 7 GiB [tokens, hidden] fp32 buffer there when the norm back-propagated
+        # over all tokens at once: bench/results/long-context_h100_2026-12-07.md)
         chunk = min(tokens, max(1, FUSED_LOSS_CHUNK_ELEMS // a.vocab))
+        norm_chunk = min(tokens, NORM_CHUNK_TOKENS) if tokens > NORM_CHUNK_TOKENS else tokens
         return (compute_bytes * chunk * a.vocab + compute_bytes * tokens * a.hidden
-                + (4 + compute_bytes) * a.vocab * a.hidden + 4 * tokens * a.hidden)
+                + (4 + compute_bytes) * a.vocab * a.hidden + 4 * tokens * a.hidden + 2 * 4 * norm_chunk * a.hidden)
     chunk = min(tokens, max(1, LOSS_CHUNK_ELEMS // a.vocab))
     return chunk * a.vocab * (2 + 4 + 4)  # bf16 logits, fp32 upcast, its gradient
 
