@@ -161,8 +161,9 @@ class TrainConfig:
     # the LM head + cross-entropy fused in a Triton kernel, no logits recomputed (streamtrain_kernels/cross_entropy.py):
     # auto (on CUDA) | on | off (the chunked torch chain, logits recomputed in the backward)
     fused_loss: str = one_of("auto", AUTO_ON_OFF)
-    # attention backend (engine/model/attention.py): auto (the one measured faster in the layer: sdpa) | triton | sdpa
-    # | flash_attn; a backend asked for that cannot run is an error, never a quiet switch
+    # attention backend (engine/model/attention.py): auto (the one measured faster in the layer: sdpa; triton on CUDA
+    # for packed rows and for the lean layer) | triton | sdpa | flash_attn; a backend asked for that cannot run is an
+    # error, never a quiet switch
     attention: str = one_of("auto", ATTENTION_BACKENDS)
     # the MLP block in token chunks, each recomputed in the backward (engine/model/dense.py): -1 auto (32K-token chunks
     # when a micro-batch holds more than 64K tokens), 0 off, N tokens per chunk

@@ -5,7 +5,8 @@ Backends (query head j reads kv head j // (nh / kv), the grouping of HF's repeat
   linear in the sequence length. CUDA (or the Triton interpreter, for CPU tests); head_dim a power of two in 16..128.
 - `sdpa`: torch's scaled_dot_product_attention with `enable_gqa` (its flash backend on CUDA for bf16/fp16).
 - `flash_attn`: the optional flash-attn package (bf16/fp16 on CUDA), when installed.
-- `auto`: `sdpa` (`triton` for packed rows on CUDA, see `resolve_attention`). Measured on an H100 (bench/results/attention_h100_2026-12-05.jsonl): alone, the Triton kernel's
+- `auto`: `sdpa` (`triton` on CUDA for packed rows and where the lean layer runs, above 128K tokens a micro-batch of a
+  dense model: see `resolve_attention`). Measured on an H100 (bench/results/attention_h100_2026-12-05.jsonl): alone, the Triton kernel's
   fwd+bwd is 1.04x SDPA's flash backend at 8K tokens and 1.20-1.22x from 32K to 512K (bench/bench_attention.py,
   contiguous [B, H, T, D] inputs); inside the compiled qwen7b layer at 32K tokens the engine ran 5,366 tok/s with it
   against 6,283 with SDPA (backward 4.26 s against 3.46 s; bench grid context_attention). The kernel then split the

@@ -69,6 +69,7 @@ def resolve_lean_layer(requested: str, attention: str, moe: bool, micro_batch_to
         return True
     return runs and micro_batch_tokens > AUTO_LEAN_MIN_TOKENS
 
+
 SINKS = "self_attn.sinks"
 # the parameters of each half: the first half feeds the attention, the second reads its output
 PRE_ATTENTION = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -164,9 +165,8 @@ def lean_backward(p: Params, x_BTD: torch.Tensor, dy_BTD: torch.Tensor, pos: Pos
                   in_place: bool = False):
     """(d x [B, T, D], {name: fp32 gradient} for every tensor of p) of `lean_forward` at x for the output gradient dy.
     `kept`: the forward's attention output and log-sum-exp (else attention's forward runs again); its output tensor
-    is overwritten (dq is written over it). `in_place`: d x is
-    written over dy (a caller that no longer needs dy saves a [B, T, D] buffer). Call under the run's autocast; p's
-    tensors need not require grad."""
+    is overwritten (dq is written over it). `in_place`: d x is written over dy (a caller that no longer needs dy
+    saves a [B, T, D] buffer). Call under the run's autocast; p's tensors need not require grad."""
     B, T, _ = x_BTD.shape
     x_BTD = x_BTD.detach()
     with torch.no_grad():
