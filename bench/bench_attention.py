@@ -42,10 +42,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench.kernel_bench import event_median_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,7 +76,6 @@ def _step_fn(attn, q, k, v, do):
 
 
 def _time_ms(step, T):
-    import torch
     import triton
 
     if T <= 32768:
@@ -85,15 +85,7 @@ def _time_ms(step, T):
     warmup, reps = (1, 3) if T <= 131072 else (1, 1)
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return event_median_ms(step, reps)
 
 
 def _measure(step, T):

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
+
+from bench.kernel_bench import event_median_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,15 +82,7 @@ def measure(step, reps: int):
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), peak
+    return event_median_ms(step, reps), peak
 
 
 def run_case(N: int, D: int, V: int, reps: int, fused_chunks, info: dict) -> list:

@@ -22,10 +22,9 @@ a row with `error`. Rows carry engine.metrics.run_environment's fields.
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
-from bench.kernel_bench import require_gpu, write_rows
+from bench.kernel_bench import event_median_ms, require_gpu, write_rows
 
 VARIANTS = ("sdpa", "triton", "lean", "kept")
 
@@ -70,18 +69,6 @@ def _step_fn(spec, T: int, torch):
     return step
 
 
-def _time(step, torch, reps: int):
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def measure(model: str, variant: str, T: int, torch) -> dict:
     from engine.metrics import model_flops_per_token, run_environment
     from engine.plan.activations import layer_working_bytes
@@ -99,7 +86,7 @@ def measure(model: str, variant: str, T: int, torch) -> dict:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        seconds = _time(lambda: step(kept_output), torch, 3 if T <= 65536 else 1)
+        seconds = event_median_ms(lambda: step(kept_output), 3 if T <= 65536 else 1) / 1e3
         flops = 3 * model_flops_per_token(cfg.model, T)["layer_forward_flops_per_token"] * T
         row.update(step_s=round(seconds, 4), tflops=round(flops / seconds / 1e12, 1),
                    peak_gib=round((torch.cuda.max_memory_allocated() - base) / 2**30, 2))

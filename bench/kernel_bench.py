@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -47,6 +48,20 @@ def layer_layout(model: str):
 def time_ms(fn) -> float:
     import triton
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def event_median_ms(step, reps: int) -> float:
+    """Median of `reps` timings of a zero-argument step between CUDA events, for steps too long for do_bench."""
+    import torch
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def copy_gbps() -> float:

@@ -61,6 +61,11 @@ def unpin_host(t: torch.Tensor) -> int:
     return int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
 
 
+def autocast_dtype(device_type: str, fallback: torch.dtype) -> torch.dtype:
+    """The dtype autocast computes in on `device_type` where it is on, else `fallback` (the tensors' own)."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else fallback
+
+
 def autocast_ctx(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()

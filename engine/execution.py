@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from engine.config import PACKED_SOURCES, ConfigError
 from engine.model.attention import resolve_attention
 from engine.model.dense import LayerCompute, resolve_mlp_chunk_tokens
-from engine.model.lean import AUTO_LEAN_MIN_TOKENS, resolve_lean_layer
+from engine.model.lean import lean_layer_wanted, resolve_lean_layer
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,10 @@ class Execution:
         t = cfg.train
         compiled = t.compile == "on" or (t.compile == "auto" and on_gpu)
         mb_tokens = t.micro_batch_size * t.seq_len
-        long_dense = t.lean_layer != "off" and not spec.moe and mb_tokens > AUTO_LEAN_MIN_TOKENS
         try:
             attention = resolve_attention(t.attention, "cuda" if on_gpu else "cpu", spec.arch.head_dim,
                                           spec.sinks_or_window, packed=cfg.data.name in PACKED_SOURCES,
-                                          lean=long_dense)
+                                          lean=lean_layer_wanted(t.lean_layer, spec.moe, mb_tokens))
             lean = resolve_lean_layer(t.lean_layer, attention, spec.moe, mb_tokens)
         except ConfigError:
             if strict:

@@ -188,15 +188,16 @@ class ModelSpec:
         return lean.lean_forward(p, x_BTD, pos, self.arch, self.compute.mlp_chunk_tokens, self.layer_windows[layer],
                                  keep=True, fns=self._lean_fns)
 
-    def recompute_stops_before_down_proj(self, chunked_mlp: bool) -> bool:
+    def recompute_stops_before_down_proj(self, chunked_mlp: bool, lean_layer: bool = False) -> bool:
         """Whether `layer_grads` leaves the down projection out of a layer's recompute: a dense layer with an
         unchunked MLP (a chunked one checkpoints whole MLP blocks; a MoE layer's routing weights need the expert
         outputs; the lean layer rebuilds its second half chunk by chunk)."""
-        return not (self.moe or chunked_mlp or self.compute.lean)
+        return not (self.moe or chunked_mlp or lean_layer)
 
-    def recompute_skipped_flops_per_token(self, chunked_mlp: bool) -> int:
+    def recompute_skipped_flops_per_token(self, chunked_mlp: bool, lean_layer: bool = False) -> int:
         """Forward FLOPs per token that `layer_grads` leaves out of a layer's recompute."""
-        return dense.down_proj_flops_per_token(self.arch) if self.recompute_stops_before_down_proj(chunked_mlp) else 0
+        skips = self.recompute_stops_before_down_proj(chunked_mlp, lean_layer)
+        return dense.down_proj_flops_per_token(self.arch) if skips else 0
 
     def layer_grads(self, p, x_in, dy, pos: Positions, layer: int, kept: Optional[lean.KeptAttention] = None):
         """(d x_in, {name: gradient} for every tensor of p) of decoder layer `layer` at x_in (a leaf that requires

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ATTENTION_BACKENDS, ConfigError
+from engine.device import autocast_dtype
 from streamtrain_kernels.attention import HEAD_DIMS, layer_attention_forward
 
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -89,12 +90,6 @@ def resolve_attention(requested: str, device_type: str, head_dim: int, sinks_or_
     return requested
 
 
-def _compute_dtype(q: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(q.device.type):
-        return torch.get_autocast_dtype(q.device.type)
-    return q.dtype
-
-
 def document_mask(doc_start_BT: torch.Tensor) -> torch.Tensor:
     """bool [B, 1, T, T]: query i sees key j iff doc_start[i] <= j <= i (causal, within its own document)."""
     T = doc_start_BT.shape[1]
@@ -112,7 +107,7 @@ def causal_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.T
     `doc_start_BT` (packed rows, engine/batch.py): each query sees its own document only; the Triton kernel skips
     the key blocks of other documents, SDPA takes a dense [T, T] mask (T^2 bytes per row: for the CPU and short
     rows), flash_attn refuses it."""
-    dtype = _compute_dtype(q_BHTD)
+    dtype = autocast_dtype(q_BHTD.device.type, q_BHTD.dtype)
     B, nh, T, hd = q_BHTD.shape
     q, k, v = (t.to(dtype) for t in (q_BHTD, k_BHTD, v_BHTD))
     if backend != "triton" and (window is not None or sinks is not None):

@@ -197,8 +197,13 @@ def _mlp_block(x_ND: torch.Tensor, norm_w: torch.Tensor, gate_w: torch.Tensor, u
     return x_ND + F.linear(_down_proj_input(x_ND, norm_w, gate_w, up_w, eps), down_w)
 
 
+def _mlp_weights(p: Params) -> tuple:
+    """The MLP block's weights in `_mlp_block`'s order."""
+    return p["post_attention_layernorm.weight"], p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"], p[DOWN_PROJ]
+
+
 def _mlp(p: Params, x_BTD: torch.Tensor, a: DenseArch, chunk_tokens: int) -> torch.Tensor:
-    weights = (p["post_attention_layernorm.weight"], p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"], p[DOWN_PROJ])
+    weights = _mlp_weights(p)
     B, T, D = x_BTD.shape
     if not mlp_chunked(chunk_tokens, B * T):
         return _mlp_block(x_BTD, *weights, a.eps)
@@ -249,8 +254,7 @@ def attention_residual(p: Params, x_BTD: torch.Tensor, pos: Positions, a, c: Lay
 
 def mlp_residual(p: Params, x_BTD: torch.Tensor, a: DenseArch) -> torch.Tensor:
     """x + MLP(norm(x)): the second half of a dense decoder layer, per token."""
-    return _mlp_block(x_BTD, p["post_attention_layernorm.weight"], p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"],
-                      p[DOWN_PROJ], a.eps)
+    return _mlp_block(x_BTD, *_mlp_weights(p), a.eps)
 
 
 def decoder_layer(p: Params, x_BTD: torch.Tensor, pos: Positions, a: DenseArch,

@@ -41,6 +41,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 import torch
 
 from engine.config import ConfigError
+from engine.device import autocast_dtype
 from engine.model import dense
 from engine.model.rope import Positions
 from streamtrain_kernels.attention import attention_backward_over_out, layer_attention_forward
@@ -52,12 +53,16 @@ Params = Dict[str, torch.Tensor]
 AUTO_LEAN_MIN_TOKENS = 131072
 
 
+def lean_layer_wanted(requested: str, moe: bool, micro_batch_tokens: int) -> bool:
+    """Whether a run of `train.lean_layer=requested` (auto | on | off) is one the lean layer is for (a dense model
+    above AUTO_LEAN_MIN_TOKENS a micro-batch), before the attention backend is known: `train.attention=auto` then
+    takes the Triton kernel, which the lean layer needs."""
+    return requested != "off" and not moe and micro_batch_tokens > AUTO_LEAN_MIN_TOKENS
+
+
 def resolve_lean_layer(requested: str, attention: str, moe: bool, micro_batch_tokens: int) -> bool:
     """Whether the layers run lean, for `train.lean_layer=requested` (auto | on | off) with the resolved attention
     backend; raises ConfigError naming what would be valid when `on` cannot run."""
-    if requested == "off":
-        return False
-    runs = attention == "triton" and not moe
     if requested == "on":
         if moe:
             raise ConfigError("train.lean_layer=on: the lean layer is written for dense layers; this model's layers "
@@ -67,7 +72,7 @@ def resolve_lean_layer(requested: str, attention: str, moe: bool, micro_batch_to
                               f"and log-sum-exp), but train.attention resolved to {attention}; set "
                               "train.attention=triton or auto")
         return True
-    return runs and micro_batch_tokens > AUTO_LEAN_MIN_TOKENS
+    return attention == "triton" and lean_layer_wanted(requested, moe, micro_batch_tokens)
 
 
 SINKS = "self_attn.sinks"
@@ -102,10 +107,6 @@ def _chunks(T: int, B: int, chunk_tokens: int) -> Iterator[Tuple[int, int]]:
         yield start, min(T, start + step)
 
 
-def _compute_dtype(device_type: str, fallback: torch.dtype) -> torch.dtype:
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else fallback
-
-
 def _qkv(p: Params, x_BTD: torch.Tensor, pos: Positions, a, chunk_tokens: int, fns: ChunkFns):
     """q, k, v over whole rows in the compute dtype, built chunk by chunk."""
     B, T, _ = x_BTD.shape
@@ -113,7 +114,7 @@ def _qkv(p: Params, x_BTD: torch.Tensor, pos: Positions, a, chunk_tokens: int, f
     for start, stop in _chunks(T, B, chunk_tokens):
         parts = fns.qkv(p, x_BTD[:, start:stop], pos.tokens(start, stop), a)
         if q is None:
-            dtype = _compute_dtype(x_BTD.device.type, parts[0].dtype)
+            dtype = autocast_dtype(x_BTD.device.type, parts[0].dtype)
             q, k, v = (x_BTD.new_empty((B, t.shape[1], T, a.head_dim), dtype=dtype) for t in parts)
         for whole, part in zip((q, k, v), parts):
             whole[:, :, start:stop] = part

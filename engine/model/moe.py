@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from engine.device import autocast_dtype
 from engine.model import dense
 from engine.model.layout import ParamSpec
 from engine.model.rope import Positions
@@ -184,10 +185,6 @@ def activation_bytes_per_token(a: MoeArch, compute_bytes: int, compiled: bool = 
                    + cb * k * 4 * I + cb * k * D)  # gate/up, SiLU's output, the SwiGLU product, the expert outputs
 
 
-def _compute_dtype(device_type: str, fallback: torch.dtype) -> torch.dtype:
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else fallback
-
-
 def _activation(h: torch.Tensor, a: MoeArch) -> torch.Tensor:
     if not a.gpt_oss:
         gate, up = h.chunk(2, dim=-1)
@@ -208,7 +205,7 @@ def experts(p: Params, y_ND: torch.Tensor, weights_Nk: torch.Tensor, chosen_Nk: 
     token = order // k
     expert_of_row = flat[order]
     offs = load_E.cumsum(0).to(torch.int32)
-    dtype = _compute_dtype(y_ND.device.type, y_ND.dtype)
+    dtype = autocast_dtype(y_ND.device.type, y_ND.dtype)
     w1, w2 = p["mlp.experts.gate_up_proj"].to(dtype), p["mlp.experts.down_proj"].to(dtype)
     if not a.gpt_oss:  # stored as [E, out, in] (x @ W^T)
         w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)

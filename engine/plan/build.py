@@ -47,10 +47,9 @@ def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Executio
     if not format_is_open(t):
         return ""
     candidates = candidate_formats(t, exact_only=exact_state_required(cfg))
-    chosen, tried = None, 0
+    chosen = None
     numel = spec.num_params()
-    for fmt in candidates:
-        tried += 1
+    for tried, fmt in enumerate(candidates, 1):
         # master and moments live on the host or the GPU (without an NVMe tier): a format whose state alone
         # exceeds both cannot fit, and is skipped without planning it
         if not cfg.hardware.nvme_dir and fmt.state_bytes(numel) / state_ranks > (host_gib + gpu_gib) * GIB:

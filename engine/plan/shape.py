@@ -47,8 +47,7 @@ class StepShape:
         chunked = mlp_chunked(self.mlp_chunk_tokens, self.mb_tokens) and not self.lean
         self.mlp_recompute_flops = flops["layer_mlp_forward_flops_per_token"] * self.step_tokens if chunked else 0
         # the streaming engine's recompute leaves out what no gradient reads (ModelSpec.layer_grads)
-        self.recompute_skipped_flops = 0 if self.lean else \
-            spec.recompute_skipped_flops_per_token(chunked) * self.step_tokens
+        self.recompute_skipped_flops = spec.recompute_skipped_flops_per_token(chunked, self.lean) * self.step_tokens
         # the head: forward + backward (2x); the chunked torch chain also recomputes the logits in its backward
         self.head_flops = (3 if fused else 4) * flops["head_forward_flops_per_token"] * self.step_tokens
 

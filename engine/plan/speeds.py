@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 if TYPE_CHECKING:
     from engine.plan.shape import StepShape
@@ -51,13 +51,14 @@ class Speeds:
         return forwards * (other / self.fwd + s.layer_attn_fwd_flops / self.attn_fwd)
 
     def layer_bwd_s(self, s: "StepShape", forwards: int, skipped_flops: float = 0.0,
-                    attention_forwards: int = 0) -> float:
+                    attention_forwards: Optional[int] = None) -> float:
         """Seconds of one layer's backward work worth `forwards` forwards of FLOPs (3: a forward with autograd, then
         the backward's two; 2 for a kept graph) less `skipped_flops` of its recompute, at the backward rates, plus a
         chunked MLP's recompute of its checkpointed chunks (one MLP forward, at the forward rate). The attention's
         share counts `attention_forwards` forwards where given (2: a lean layer with its attention output kept)."""
         other = forwards * (s.layer_fwd_flops - s.layer_attn_fwd_flops) - skipped_flops
-        attention = (attention_forwards or forwards) * s.layer_attn_fwd_flops / self.attn_bwd
+        attention_passes = forwards if attention_forwards is None else attention_forwards
+        attention = attention_passes * s.layer_attn_fwd_flops / self.attn_bwd
         return other / self.bwd + attention + s.mlp_recompute_flops / self.fwd
 
     def describe(self, hw) -> str:

@@ -112,7 +112,7 @@ def predict_stream(s: StepShape, sp: Speeds, placement: Placement) -> Tuple[Dict
         kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
         attention_kept = u in kept_attention  # a lean layer's attention output kept: no attention forward again
         layer_compute = sp.layer_bwd_s(s, 2) if kept else sp.layer_bwd_s(s, 3, s.recompute_skipped_flops,
-                                                                          2 if attention_kept else 0)
+                                                                          2 if attention_kept else None)
         h2d = [0.0] * ranks
         h2d[link[u]] = 0.0 if kept else weights_in(u)
         regenerated_out = 0.0

@@ -90,6 +90,10 @@ class ActivationStore:
             self.spares.append(self.host.pop((i, m)))
         return x
 
+    def holds_spare(self, i: int, m: int) -> bool:
+        """Whether entry (i, m) sits in a spare host entry (put, not yet fetched by `get`)."""
+        return (i, m) in self.spare_keys
+
     def clear(self) -> None:
         self.gpu.clear()
         self.pending.clear()

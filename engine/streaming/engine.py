@@ -269,8 +269,8 @@ class StreamEngine:
         self.activations = ActivationStore(self.dev, self.h2d, self.d2h, self.store.activations,
                                            self.stored_inputs, M, self.shape_BTD, self.timer,
                                            spare_entries=self.regenerate_spares)
-        # (input index, micro-batch) -> a regenerated layer input on the GPU, or None: in the activation store
-        self.regenerated: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
+        # (input index, micro-batch) -> a regenerated layer input on the GPU tier (the host tier's are in the store)
+        self.regenerated: Dict[Tuple[int, int], torch.Tensor] = {}
         self.tables = spec.positions(t.seq_len, device)
         self.pos: List[Positions] = []  # the current step's micro-batches' positions
         self.version = 0  # number of optimizer passes submitted: the weights' generation
@@ -543,7 +543,7 @@ class StreamEngine:
             if kept:  # weights still in the layer's own slot, read by the kept graph
                 self._load_ahead(order, k, wait=False)
             else:
-                if unit - 1 not in self.stored_inputs and (unit - 1, 0) not in self.regenerated:
+                if unit - 1 not in self.stored_inputs and not self._regenerated(unit - 1, 0):
                     self._regenerate(unit - 1, len(dx))
                 p = _leaves(self._enter(order, k))
             acc = self._acc_for(unit)
@@ -569,8 +569,12 @@ class StreamEngine:
             self._finish_grad(unit, grad_hook)
 
     def _prefetch_input(self, i: int, m: int) -> None:
-        if self.regenerated.get((i, m)) is None and (i in self.stored_inputs or (i, m) in self.regenerated):
+        if (i, m) not in self.regenerated and (i in self.stored_inputs or self.activations.holds_spare(i, m)):
             self.activations.prefetch(i, m)
+
+    def _regenerated(self, i: int, m: int) -> bool:
+        """Whether layer input (i, m) was regenerated and waits for its layer's backward (GPU or host tier)."""
+        return (i, m) in self.regenerated or self.activations.holds_spare(i, m)
 
     def _layer_input(self, i: int, m: int) -> torch.Tensor:
         x = self.regenerated.pop((i, m), None)
@@ -596,7 +600,8 @@ class StreamEngine:
                     x[m] = spec.layer(p, x[m], self.pos[m], unit - 1)
                     if on_host:
                         self.activations.put(unit, m, x[m])
-                    self.regenerated[(unit, m)] = None if on_host else x[m]
+                    else:
+                        self.regenerated[(unit, m)] = x[m]
             self._release(unit)
 
     def _embed_backward(self, ids: List[torch.Tensor], dx: List[torch.Tensor], grad_hook) -> None:
