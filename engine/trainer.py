@@ -248,8 +248,12 @@ class Trainer:
         if self.depth_truncated:
             self.log(depth_truncated_line(self.depth_truncated))
         lc = self.execution
-        self.log(f"layers: attention {lc.attention} (train.attention={t.attention}), MLP "
-                 + (f"in chunks of {lc.mlp_chunk_tokens} tokens" if lc.mlp_chunk_tokens else "unchunked"))
+        if lc.lean:
+            self.log(f"layers: lean (train.lean_layer={t.lean_layer}), every per-token op in chunks of "
+                     f"{lc.mlp_chunk_tokens} tokens around the attention, {lc.attention} (train.attention={t.attention})")
+        else:
+            self.log(f"layers: attention {lc.attention} (train.attention={t.attention}), MLP "
+                     + (f"in chunks of {lc.mlp_chunk_tokens} tokens" if lc.mlp_chunk_tokens else "unchunked"))
         if t.deterministic:
             self.log("deterministic algorithms on (train.deterministic): CUBLAS_WORKSPACE_CONFIG="
                      f"{os.environ['CUBLAS_WORKSPACE_CONFIG']}, fixed attention kernel configs")

@@ -67,8 +67,11 @@ interpreter (TRITON_INTERPRET=1, CPU tests) every load is upcast to fp32 at once
 (bf16 dots are wrong there), and there is exactly one small config per kernel (32 x 16 / 16 x 32 blocks).
 
 Autotuning (GPU): a small config set per kernel keyed on (D, T bucket, causal, window is None); the T bucket is
-next_pow2(T) capped at 16K, so all long sequences share the configs tuned at the first long call (tuning at 512K
-itself would take minutes: warm up at 16K-32K). STREAMTRAIN_ATTN_AUTOTUNE=0 skips tuning and uses one default
+next_pow2(T) capped at 16K, so all long sequences share one tuned config per kernel. Triton's autotuner times every
+config about 8 times on the call that meets a key first; at 512K tokens (qwen7b: 5-13 s per kernel call) that is
+over ten minutes. So the first call longer than the cap tunes on a proxy first: the same kernel on the first 16K
+positions of its own inputs (same key; causal rows there see only keys there, so the slice is a valid problem), in a
+fraction of a second, and then runs once at full length with the tuned config. STREAMTRAIN_ATTN_AUTOTUNE=0 skips tuning and uses one default
 config per kernel, as does torch's deterministic mode (`train.deterministic`); fp32 inputs always use a fixed small
 config. A fresh machine compiles ~14 configs per (D, causal, window, sinks) combination on first use (about a
 minute).
@@ -533,12 +536,41 @@ _TUNED = {name: triton.autotune(configs=_cfgs(_ROWS[name]), key=_KEY)(fn) for na
     if AUTOTUNE else {}
 
 
+_T_BUCKET_CAP = 16384  # every T above shares the autotune key of T = 16K, and long calls tune on a 16K proxy
+_TUNED_ON_PROXY: set = set()  # the (kernels, dtype, device, D, causal, window?, docs?) long calls already tuned
+
+
 def _t_bucket(t: int) -> int:
-    return min(triton.next_power_of_2(max(t, 16)), 16384)
+    return min(triton.next_power_of_2(max(t, 16)), _T_BUCKET_CAP)
+
+
+def _autotuned(dtype: torch.dtype) -> bool:
+    """Whether launches of `dtype` inputs pick an autotuned config (else the fixed one of `_launch`)."""
+    return bool(_TUNED) and dtype != torch.float32 and not torch.are_deterministic_algorithms_enabled()
+
+
+def _first_long_call(kernels: str, q, k, causal, window, doc_start) -> bool:
+    """True once per (kernels, dtype, device, D, causal, window?, docs?) for a tuned call over more than
+    `_T_BUCKET_CAP` positions: the caller then tunes on a proxy of `_T_BUCKET_CAP` positions (module docstring)."""
+    if not _autotuned(q.dtype) or min(q.shape[2], k.shape[2]) <= _T_BUCKET_CAP:
+        return False
+    key = (kernels, q.dtype, q.device, q.shape[3], causal, window is not None, doc_start is not None)
+    if key in _TUNED_ON_PROXY:
+        return False
+    _TUNED_ON_PROXY.add(key)
+    return True
+
+
+def _proxy(t: torch.Tensor) -> torch.Tensor:
+    """The first `_T_BUCKET_CAP` positions of a [B, H, T, D] tensor (a view) or a [B, H, T] / [B, T] one (a
+    contiguous copy: the kernels address lse, delta and doc_start as contiguous rows of their T)."""
+    if t.dim() == 4:
+        return t[:, :, :_T_BUCKET_CAP]
+    return t[..., :_T_BUCKET_CAP].contiguous()
 
 
 def _launch(name, dtype, grid_fn, *args, **kwargs):
-    if name in _TUNED and dtype != torch.float32 and not torch.are_deterministic_algorithms_enabled():
+    if _autotuned(dtype):
         _TUNED[name][lambda meta: grid_fn(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
     else:
         fixed = (_FIXED_FP32 if dtype == torch.float32 else _FIXED)[name]
@@ -637,6 +669,9 @@ def _forward(q, k, v, sinks, causal, window, scale, q_offset, doc_start=None):
     lse = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
     if Tq == 0 or B * Hq == 0:
         return out, lse
+    if _first_long_call("fwd", q, k, causal, window, doc_start):
+        _forward(_proxy(q), _proxy(k), _proxy(v), sinks, causal, window, scale, 0,
+                 _proxy(doc_start) if doc_start is not None else None)
     upcast, prec = _flags(q)
     has_sinks = sinks is not None
     _launch("fwd", q.dtype, lambda bm, bn: (triton.cdiv(Tq, bm), B * Hq),
@@ -655,6 +690,10 @@ def _backward(do, dlse, q, k, v, out, lse, sinks, causal, window, scale, q_offse
     """dq: where to write dq (allocated when None; `out` itself may serve, see `attention_backward_over_out`)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
+    if _first_long_call("bwd", q, k, causal, window, doc_start):
+        _backward(_proxy(do), _proxy(dlse) if dlse is not None else None, _proxy(q), _proxy(k), _proxy(v),
+                  _proxy(out), _proxy(lse), sinks, causal, window, scale, 0,
+                  _proxy(doc_start) if doc_start is not None else None)
     if dq is None:
         dq = torch.empty((B, Hq, Tq, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, Hkv, Tk, D), device=q.device, dtype=k.dtype)

@@ -567,3 +567,40 @@ def test_gpu_memory_linear_in_t():
     # out + dq (q-sized) + dk + dv (k-sized) + lse/delta + slack; a T x T fp32 score matrix alone would be 16 GiB
     budget = 2 * q.numel() * 2 + 2 * k.numel() * 2 + 4 * Hq * T * 4 + (64 << 20)
     assert extra <= budget, f"{extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+
+
+def test_long_calls_tune_on_a_proxy_first(monkeypatch):
+    """The first tuned call longer than the T-bucket cap runs each kernel on the first `_T_BUCKET_CAP` positions
+    first (where the autotuner times its configs cheaply, under the same key), then once at full length; later
+    calls of the same kind go straight to full length, and the results equal the untuned path's."""
+    cap, T, launches = 32, 80, []
+
+    def programs(name, t):  # a launch's programs along T: query blocks (fwd, dq) or key blocks (dkdv)
+        return -(-t // A._FIXED[name]["BLOCK_N" if name == "dkdv" else "BLOCK_M"])
+
+    class Recording:  # stands in for triton.autotune: records each launch, runs the fixed config
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                fixed = A._FIXED[self.name]
+                launches.append((self.name, grid(fixed)[0]))
+                A._KERNELS[self.name][grid(fixed)](*args, **kwargs, **fixed)
+            return launch
+
+    q, k, v, _, do = _inputs(1, 4, 2, T, 16, bf16)
+    ds = torch.tensor([[0] * 50 + [50] * 30], dtype=torch.int32)
+    want = _run(flash_attention_with_lse, q, k, v, None, do, causal=True, doc_start=ds)
+    monkeypatch.setattr(A, "_TUNED", {name: Recording(name) for name in ("fwd", "dkdv", "dq")})
+    monkeypatch.setattr(A, "_T_BUCKET_CAP", cap)
+    monkeypatch.setattr(A, "_TUNED_ON_PROXY", set())
+    got = _run(flash_attention_with_lse, q, k, v, None, do, causal=True, doc_start=ds)
+    for x, y in zip([want[0], want[1], *want[2]], [got[0], got[1], *got[2]]):
+        assert torch.equal(x, y)
+    assert launches == [("fwd", programs("fwd", cap)), ("fwd", programs("fwd", T)),
+                        ("dkdv", programs("dkdv", cap)), ("dq", programs("dq", cap)),
+                        ("dkdv", programs("dkdv", T)), ("dq", programs("dq", T))]
+    launches.clear()
+    _run(flash_attention_with_lse, q, k, v, None, do, causal=True, doc_start=ds)
+    assert launches == [("fwd", programs("fwd", T)), ("dkdv", programs("dkdv", T)), ("dq", programs("dq", T))]
