@@ -1,13 +1,20 @@
-"""Attention kernel benchmark: streamtrain_kernels/attention.py against torch SDPA's flash backend, fwd+bwd, one GPU.
+"""Attention kernel benchmark: streamtrain_kernels/attention.py against torch SDPA's backends, fwd and fwd+bwd, one GPU.
 
     python -m bench.bench_attention --out bench/results/attention.jsonl
     python -m bench.bench_attention --seq-lens 8192 32768 --cases qwen7b      # a subset
+    python -m bench.bench_attention --sdpa-backends cudnn default --seq-lens 32768 524288
     python -m bench.bench_attention --docs --doc-lens 512 2048 8192 --seq-lens 32768   # packed vs per-document
 
 Cases (B = 1, bf16, causal):
-  qwen7b   Hq=28, Hkv=4, D=128 (Qwen2.5-7B)                       kernel and SDPA (flash backend, enable_gqa)
-  gptoss   Hq=64, Hkv=8, D=64, window=128, sinks (gpt-oss sliding)  kernel only: SDPA's flash backend has neither
+  qwen7b   Hq=28, Hkv=4, D=128 (Qwen2.5-7B)                       kernel and SDPA (each of --sdpa-backends)
+  gptoss   Hq=64, Hkv=8, D=64, window=128, sinks (gpt-oss sliding)  kernel only: SDPA has neither
 at T = 8K, 32K, 128K, 512K.
+
+SDPA backends: `flash` (FlashAttention-2), `cudnn` (cuDNN's fused attention), `efficient` (memory-efficient), each
+pinned with torch.nn.attention.sdpa_kernel, and `default`, pinned to none: what the engine's `train.attention=sdpa`
+runs; `sdpa_default_choice` names the backend torch's dispatch picks for these inputs. On Hopper the default is not
+the flash backend, and the two differ by ~1.7x: a comparison against one is not one against the other. GQA runs
+natively (enable_gqa) where the backend takes it, else with K/V repeated (the note says which).
 
 Timing: one fwd+bwd step = out = attn(q, k, v); torch.autograd.grad(out, (q, k, v), dO) (no grad accumulation).
 Median of triton.testing.do_bench (25 ms warmup, 200 ms of reps, L2 flushed) up to 32K; above that one step takes
@@ -23,9 +30,12 @@ Peak memory: torch.cuda.max_memory_allocated over one step, inputs and dO includ
 for this op), in GiB; measured on an extra untimed step up to 32K (do_bench's flush buffer stays out of it) and
 over the timed steps above. SDPA rows that run out of memory keep sdpa_* null and say so in `sdpa_note`.
 
-Rows (JSONL): bench case seq_len heads head_dim kernel_ms sdpa_ms kernel_tflops sdpa_tflops ratio
-kernel_peak_gib sdpa_peak_gib gpu torch triton git_sha date (+ batch kv_heads window sinks sdpa_note flops).
-ratio = sdpa_ms / kernel_ms (> 1: the kernel is faster). Total runtime on an H200: about 3-4 minutes.
+Rows (JSONL): bench case seq_len heads head_dim kernel_ms kernel_fwd_ms kernel_tflops kernel_fwd_tflops
+kernel_peak_gib, per SDPA backend b: sdpa_b_ms sdpa_b_fwd_ms sdpa_b_tflops sdpa_b_fwd_tflops sdpa_b_peak_gib
+sdpa_b_note ratio_b, sdpa_default_choice, gpu torch triton git_sha date (+ batch kv_heads window sinks flops).
+ratio_b = sdpa_b_ms / kernel_ms (> 1: the kernel is faster). Forward-only timings run under no_grad, as the
+engine's forward and recompute do. Rows before 2026-12-07 have one SDPA backend, flash, in sdpa_ms / sdpa_tflops /
+ratio. Total runtime on an H100, all backends to 128K: a few minutes; 512K adds about a minute per backend.
 
 --docs (packed rows, bench "attention_docs"): a row of T tokens packed from documents of length L (`--doc-lens`;
 the last one takes the remainder), the same cases and the same fwd+bwd timing as above, three ways:
@@ -40,6 +50,7 @@ aligned differently: bf16 rounding only).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import sys
@@ -166,12 +177,18 @@ def run_docs_case(name, T, L, meta):
     return row
 
 
-def _sdpa_attn(gqa_native: bool, G: int):
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "default")  # default: no backend pinned, as the engine calls SDPA
+
+
+def _sdpa_attn(backend: str, gqa_native: bool, G: int):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    pinned = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION}.get(backend)
+
     def attn(q, k, v):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(pinned) if pinned is not None else contextlib.nullcontext():
             if gqa_native:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             return F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
@@ -179,7 +196,53 @@ def _sdpa_attn(gqa_native: bool, G: int):
     return attn
 
 
-def run_case(name, T, meta, layout="bhtd"):
+def _fwd_fn(attn, q, k, v):
+    import torch
+
+    def fwd():
+        with torch.no_grad():
+            attn(q, k, v)
+    return fwd
+
+
+def _default_choice(q, k, v) -> str:
+    """The backend SDPA picks for these inputs when none is pinned (torch's own dispatch rule)."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    return SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True)).name.lower()
+
+
+def _sdpa_columns(backend, q, k, v, do, T, fwd_flops_, G):
+    """sdpa_<backend>_{ms, fwd_ms, tflops, fwd_tflops, peak_gib, note} of one SDPA backend (ms None where it cannot
+    run, with the reason in the note). GQA natively (enable_gqa) where the backend takes it, else K/V repeated."""
+    import torch
+
+    key = f"sdpa_{backend}"
+    cols = {f"{key}_{c}": None for c in ("ms", "fwd_ms", "tflops", "fwd_tflops", "peak_gib")}
+    try:
+        native = True
+        try:
+            with torch.no_grad():
+                _sdpa_attn(backend, True, G)(q[:, :, :128], k[:, :, :128], v[:, :, :128])
+        except RuntimeError:
+            native = False
+        torch.cuda.empty_cache()
+        attn = _sdpa_attn(backend, native, G)
+        ms, peak = _measure(_step_fn(attn, q, k, v, do), T)
+        fwd_ms = _time_ms(_fwd_fn(attn, q, k, v), T)
+        cols.update({f"{key}_ms": ms, f"{key}_fwd_ms": fwd_ms, f"{key}_tflops": 3.5 * fwd_flops_ / ms / 1e9,
+                     f"{key}_fwd_tflops": fwd_flops_ / fwd_ms / 1e9, f"{key}_peak_gib": peak})
+        cols[f"{key}_note"] = "enable_gqa" if native else "K/V repeated (no native GQA)"
+    except torch.cuda.OutOfMemoryError as e:
+        cols[f"{key}_note"] = f"skipped: out of memory ({str(e).splitlines()[0][:120]})"
+    except RuntimeError as e:
+        cols[f"{key}_note"] = f"skipped: {str(e).splitlines()[0][:160]}"
+    torch.cuda.empty_cache()
+    return cols
+
+
+def run_case(name, T, meta, layout="bhtd", sdpa_backends=("flash",)):
     import torch
 
     from streamtrain_kernels.attention import flash_attention
@@ -196,7 +259,8 @@ def run_case(name, T, meta, layout="bhtd"):
     q, k, v = (mk(h, grad=True) for h in (H, Hkv, Hkv))
     do = mk(H)
     sinks = torch.randn(H, device="cuda", generator=g).requires_grad_() if c["sinks"] else None
-    flops = 3.5 * fwd_flops(B, H, T, D, c["window"])
+    f1 = fwd_flops(B, H, T, D, c["window"])
+    flops = 3.5 * f1
     row = dict(bench="attention", case=name, seq_len=T, batch=B, heads=H, kv_heads=Hkv, head_dim=D, layout=layout,
                window=c["window"], sinks=c["sinks"], causal=True, dtype="bf16", flops=flops)
 
@@ -204,26 +268,17 @@ def run_case(name, T, meta, layout="bhtd"):
         return flash_attention(q, k, v, causal=True, window=c["window"], sinks=sinks)
 
     ms, peak = _measure(_step_fn(kernel_attn, q, k, v, do), T)
-    row.update(kernel_ms=ms, kernel_tflops=flops / ms / 1e9, kernel_peak_gib=peak)
-    row.update(sdpa_ms=None, sdpa_tflops=None, ratio=None, sdpa_peak_gib=None)
+    fwd_ms = _time_ms(_fwd_fn(kernel_attn, q, k, v), T)
+    row.update(kernel_ms=ms, kernel_tflops=flops / ms / 1e9, kernel_peak_gib=peak, kernel_fwd_ms=fwd_ms,
+               kernel_fwd_tflops=f1 / fwd_ms / 1e9)
     if not c["sdpa"]:
-        row["sdpa_note"] = "not run: SDPA's flash backend has no sliding window / sinks"
+        row["sdpa_note"] = "not run: SDPA has no sliding window / sinks"
     else:
-        try:
-            native = True
-            try:
-                with torch.no_grad():
-                    _sdpa_attn(True, H // Hkv)(q[:, :, :128], k[:, :, :128], v[:, :, :128])
-            except RuntimeError:
-                native = False
-            torch.cuda.empty_cache()
-            ms_s, peak_s = _measure(_step_fn(_sdpa_attn(native, H // Hkv), q, k, v, do), T)
-            row.update(sdpa_ms=ms_s, sdpa_tflops=flops / ms_s / 1e9, ratio=ms_s / ms, sdpa_peak_gib=peak_s)
-            row["sdpa_note"] = "flash backend, enable_gqa" if native else "flash backend, kv repeated (no native GQA)"
-        except torch.cuda.OutOfMemoryError as e:
-            row["sdpa_note"] = f"skipped: out of memory ({str(e).splitlines()[0][:120]})"
-        except RuntimeError as e:
-            row["sdpa_note"] = f"skipped: {str(e).splitlines()[0][:160]}"
+        row["sdpa_default_choice"] = _default_choice(q, k, v)
+        for backend in sdpa_backends:
+            row.update(_sdpa_columns(backend, q, k, v, do, T, f1, H // Hkv))
+            if row[f"sdpa_{backend}_ms"] is not None:
+                row[f"ratio_{backend}"] = row[f"sdpa_{backend}_ms"] / ms
     row.update(meta, date=dt.datetime.now().isoformat(timespec="seconds"))
     q = k = v = do = None
     torch.cuda.empty_cache()
@@ -237,6 +292,9 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--layout", default="bhtd", choices=("bhtd", "bthd"),
                     help="inputs contiguous as [B, H, T, D], or [B, T, H, D] viewed as [B, H, T, D] (the layer's)")
+    ap.add_argument("--sdpa-backends", nargs="+", default=list(SDPA_BACKENDS), choices=SDPA_BACKENDS,
+                    help="SDPA backends to time beside the kernel (default: all; `default` pins none, as the "
+                         "engine's sdpa attention runs)")
     ap.add_argument("--docs", action="store_true",
                     help="packed rows: one doc_start call vs one call per document vs plain causal (see --doc-lens)")
     ap.add_argument("--doc-lens", type=int, nargs="+", default=[512, 2048, 8192],
@@ -262,21 +320,21 @@ def main(argv=None):
     rows = []
     if args.docs:
         return _main_docs(args, meta, out, t0)
-    hdr = f"{'case':8s} {'T':>7s} {'kernel ms':>10s} {'TFLOP/s':>8s} {'GiB':>6s} {'sdpa ms':>10s} {'TFLOP/s':>8s} " \
-          f"{'GiB':>6s} {'ratio':>6s}"
-    print(hdr, flush=True)
+    def f_(x, p=".1f"):
+        return "-" if x is None else format(x, p)
+    print(f"{'case':8s} {'T':>7s} {'kernel ms':>10s} {'fwd ms':>9s} {'TFLOP/s':>8s} "
+          + " ".join(f"{b + ' ms':>12s} {'TFLOP/s':>8s}" for b in args.sdpa_backends) + "  default picks", flush=True)
     for name in args.cases:
         for T in sorted(args.seq_lens):
-            row = run_case(name, T, meta, args.layout)
+            row = run_case(name, T, meta, args.layout, args.sdpa_backends)
             rows.append(row)
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            def f_(x, p=".2f"):
-                return "-" if x is None else format(x, p)
-            print(f"{name:8s} {T:7d} {f_(row['kernel_ms'], '.3f'):>10s} {f_(row['kernel_tflops'], '.0f'):>8s} "
-                  f"{f_(row['kernel_peak_gib']):>6s} {f_(row['sdpa_ms'], '.3f'):>10s} "
-                  f"{f_(row['sdpa_tflops'], '.0f'):>8s} {f_(row['sdpa_peak_gib']):>6s} {f_(row['ratio']):>6s}"
-                  + ("" if row["sdpa_ms"] is not None else f"   ({row.get('sdpa_note', '')})"), flush=True)
+            print(f"{name:8s} {T:7d} {f_(row['kernel_ms'], '.2f'):>10s} {f_(row['kernel_fwd_ms'], '.2f'):>9s} "
+                  f"{f_(row['kernel_tflops'], '.0f'):>8s} "
+                  + " ".join(f"{f_(row.get(f'sdpa_{b}_ms'), '.2f'):>12s} {f_(row.get(f'sdpa_{b}_tflops'), '.0f'):>8s}"
+                             for b in args.sdpa_backends)
+                  + f"  {row.get('sdpa_default_choice', '-')}", flush=True)
     print(f"{len(rows)} rows -> {out}  ({time.time() - t0:.0f} s)")
     return 0
 

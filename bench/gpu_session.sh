@@ -178,8 +178,12 @@ stage adamwablate 'patched variants of the update kernel side by side (the base 
 stage adamwsmall 'the update kernel'"'"'s small launches at qwen7b and qwen32b layer sizes' \
   'bench 280 bench_adamw_update --models qwen7b,qwen32b \
      --configs 256x1,256x2,512x2,512x4,1024x4,1024x8,2048x8,2048x16 --out $OUT/adamw_update.jsonl'
-stage attention 'the Triton attention against SDPA at 8K, 32K and 128K' \
+stage attention 'the Triton attention against each SDPA backend at 8K, 32K and 128K' \
   'bench 300 bench_attention --seq-lens 8192 32768 131072 --out $OUT/attention.jsonl'
+stage attention512 'the Triton attention against the cuDNN and the default SDPA backends, qwen7b heads, 32K-512K' \
+  'gpu_tests gpu_bench_attention_tests.log 120 tests/test_bench_attention.py tests/kernels/test_attention.py
+   bench 420 bench_attention --cases qwen7b --sdpa-backends cudnn default --seq-lens 32768 131072 524288 \
+     --out $OUT/attention.jsonl'
 stage leanlayer 'one qwen7b layer'"'"'s engine step, plain (SDPA, Triton) against lean (attention recomputed, kept), 32K and 128K' \
   'gpu_tests gpu_lean_tests.log 150 tests/test_lean_layer.py
    bench 400 bench_lean_layer --seq-lens 32768 131072 --out $OUT/lean_layer.jsonl'
@@ -192,8 +196,9 @@ stage checkpoint 'HF write, engine build, import and export of a qwen7b-shaped m
 # the planner's profile
 stage calibrate 'the profile of this card ($OUT/<card>.yaml, to commit by hand; later stages plan with it)' \
   'card=$(gpu_card)
-   py 420 engine.calibrate --base conf/hardware/$card.yaml --out $OUT/$card.yaml \
+   py 540 engine.calibrate --base conf/hardware/$card.yaml --out $OUT/$card.yaml \
      ${MOE_MODEL:+--moe-model $MOE_MODEL} --width-models "${WIDTH_MODELS-qwen3b,qwen14b,qwen72b}" \
+     --attn-points ${ATTN_POINTS-triton:32768 triton:131072 triton:524288 sdpa:131072 sdpa:524288} \
      --jsonl $OUT/calibrate.jsonl
    use_profile $card'
 

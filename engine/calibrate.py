@@ -32,6 +32,12 @@ step is made of, each the median of `--repeats` timed repetitions after `--warmu
    - the attention kernel alone (the backend the layer uses, full causal, one sequence of `--attn-seq-len`
      tokens, the model's heads): forward without autograd -> `attn_fwd_tflops`; forward with autograd and the
      gradients of q, k and v -> `attn_bwd_tflops`, counted as 3 forwards; with `attn_backend` and `attn_seq_len`.
+   With `--attn-points BACKEND:TOKENS ...`, the same two attention figures for each more (backend, length) ->
+   `attn_points` (at 512K tokens attention is ~88% of a qwen7b layer, and on an H100 the Triton kernel and SDPA's
+   default backend differ by ~1.45x: the planner times a run's attention at its own backend's figures, interpolated
+   in log(length)). A long point's calls take seconds each (18 s forward + backward at 512K), so they are
+   repeated only as often as about 10 s allow (at least once after the warm-up). Without `--attn-points` the base
+   profile's points are kept: they are of the kernel alone, measured on the same card.
    With `--moe-model`, that mixture-of-experts model's layer at the same tokens, forward and backward as above
    (its attention alone subtracted) -> `moe_fwd_tflops_<mode>`, `moe_bwd_tflops_<mode>` and `moe_model`: the
    planner times MoE layers with these (their grouped expert matmuls, gathers and scatters run far below a
@@ -138,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "default: none)")
     ap.add_argument("--attn-seq-len", type=int, default=32768,
                     help="tokens of the one sequence the attention figures are measured at (default: 32768)")
+    ap.add_argument("--attn-points", nargs="*", default=None, metavar="BACKEND:TOKENS",
+                    help="more (backend, sequence length) points of the attention figures, e.g. triton:131072 "
+                         "triton:524288 sdpa:524288 (default: the base profile's points)")
     ap.add_argument("--copy-gib", type=float, default=1.0, help="GiB per PCIe copy (default: 1)")
     ap.add_argument("--adam-gparams", type=float, default=0.5,
                     help="billions of fp32 elements of the host AdamW parameter (default: 0.5, 8 GB of state)")
@@ -211,6 +220,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dic
         widths[cfg.hidden_size] = f"--width-models {name}"
         args.width_cfgs[name] = cfg
 
+    args.attn_point_list = _attn_points(parser, args, model_cfg)
     _require(parser, args.base.is_file(), f"--base {str(args.base)!r}: no such file")
     try:
         base = OmegaConf.load(args.base)
@@ -224,6 +234,28 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dic
             _require(parser, path.resolve().parent.is_dir(),
                      f"{flag} {str(path)!r}: directory {str(path.resolve().parent)!r} does not exist")
     return model_cfg
+
+
+def _attn_points(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 model_cfg: DictConfig) -> list[tuple[str, int]] | None:
+    """`--attn-points` as [(backend, tokens)], each backend one that runs here for the model (None: not given)."""
+    if args.attn_points is None:
+        return None
+    spec = ModelSpec(model_cfg)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    points: list[tuple[str, int]] = []
+    for text in args.attn_points:
+        backend, _, tokens = text.partition(":")
+        _require(parser, backend in ATTENTION_BACKENDS[1:] and tokens.isdigit() and int(tokens) >= 1,
+                 f"--attn-points {text!r} is not BACKEND:TOKENS with BACKEND one of "
+                 f"{', '.join(ATTENTION_BACKENDS[1:])} and TOKENS an integer >= 1")
+        try:
+            resolve_attention(backend, device_type, spec.arch.head_dim, spec.sinks_or_window)
+        except ConfigError as err:
+            parser.error(f"--attn-points {text}: {err}")
+        _require(parser, (backend, int(tokens)) not in points, f"--attn-points {text} is given twice")
+        points.append((backend, int(tokens)))
+    return points
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -263,6 +295,18 @@ def median_s(fn: Callable[[], None], args: argparse.Namespace, on_device: bool, 
         fn()
     _sync()
     return statistics.median(_time_once_s(fn, on_device) for _ in range(args.repeats))
+
+
+def median_s_within(fn: Callable[[], None], args: argparse.Namespace, on_device: bool, what: str,
+                    budget_s: float = 10.0) -> float:
+    """`median_s` for calls that may take seconds each: one untimed call (compilation, tuning), then as many
+    timed ones as `budget_s` allows at the first call's pace, at least one and at most `args.repeats`."""
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    first_s = time.perf_counter() - t0
+    repeats = max(1, min(args.repeats, int(budget_s / max(first_s, 1e-6))))
+    return statistics.median(_time_once_s(fn, on_device) for _ in range(repeats))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -330,7 +374,28 @@ def measure_attention(model_cfg: DictConfig, args: argparse.Namespace, device: t
         f"{in_layer['bwd'] * 1e3:.2f} ms")
     if on_device:
         torch.cuda.empty_cache()
-    return in_layer, {**figures, "attn_backend": backend, "attn_seq_len": args.attn_seq_len}
+    main = {**figures, "attn_backend": backend, "attn_seq_len": args.attn_seq_len}
+    if args.attn_point_list is not None:
+        main["attn_points"] = [measure_attention_point(spec, point_backend, tokens, args, device, compute_dtype)
+                               for point_backend, tokens in args.attn_point_list
+                               if (point_backend, tokens) != (backend, args.attn_seq_len)]
+    return in_layer, main
+
+
+def measure_attention_point(spec: ModelSpec, backend: str, tokens: int, args: argparse.Namespace,
+                            device: torch.device, compute_dtype: torch.dtype) -> dict:
+    """One `--attn-points` entry: the attention figures of `backend` at one sequence of `tokens` tokens."""
+    on_device = device.type == "cuda"
+    flops, forward, backward = attention_timer(spec, backend, 1, tokens, None, device, compute_dtype)
+    point = {"backend": backend, "seq_len": tokens,
+             "fwd_tflops": flops / median_s_within(forward, args, on_device, f"attention fwd {backend} {tokens}") / 1e12,
+             "bwd_tflops": 3 * flops / median_s_within(backward, args, on_device, f"attention bwd {backend} {tokens}")
+             / 1e12}
+    log(f"attention {backend} at 1 x {tokens}: fwd {point['fwd_tflops']:.2f} TFLOP/s, fwd + bwd "
+        f"{point['bwd_tflops']:.2f} TFLOP/s")
+    if on_device:
+        torch.cuda.empty_cache()
+    return point
 
 
 def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, device: torch.device,
@@ -563,8 +628,10 @@ def write_profile(args: argparse.Namespace, figures: dict[str, float], not_measu
     """The base profile with `figures` replaced or added (figures of `not_measured` are 0), one field per line."""
     profile = dict(args.base_profile)
     profile.update({k: _rounded(v) if isinstance(v, float) else v for k, v in figures.items()})
-    profile["layer_widths"] = [{k: _rounded(v) if isinstance(v, float) else v for k, v in width.items()}
-                               for width in figures["layer_widths"]]
+    for key in ("layer_widths", "attn_points"):
+        if key in figures:
+            profile[key] = [{k: _rounded(v) if isinstance(v, float) else v for k, v in entry.items()}
+                            for entry in figures[key]]
     profile["calibration"] = calibration
     measured = [k for k in figures if k not in not_measured]
     header = [f"# Written by engine/calibrate.py ({calibration}).",
@@ -605,6 +672,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     figures["layer_model"], figures["layer_hidden"] = args.model, int(model_cfg.hidden_size)
     figures["layer_widths"] = [measure_width(name, cfg, args, device, compute_dtype)
                                for name, cfg in args.width_cfgs.items()]
+    if args.attn_point_list is None and args.base_profile.get("attn_points"):
+        log(f"the base profile's {len(args.base_profile['attn_points'])} attention points are kept (--attn-points "
+            "measures new ones)")
     dropped = args.base_profile.get("layer_widths") or []
     if dropped and not args.width_cfgs:
         log(f"the base profile's {len(dropped)} other layer widths are left out: they were measured beside another "

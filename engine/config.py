@@ -215,6 +215,18 @@ class LayerWidthFigures(LayerFigures):
 
 
 @dataclass
+class AttentionPoint:
+    """The attention kernel alone at one more (backend, sequence length), measured as the main attn_* figures
+    (python -m engine.calibrate --attn-points). Attention's rate grows with length and differs by backend, and at
+    512K tokens it is ~88% of a qwen7b layer's FLOPs: a run's attention is timed at its own backend's figures,
+    interpolated in log(length) between the two nearest measured lengths (engine/plan/speeds.py)."""
+    backend: str = MISSING  # triton | sdpa | flash_attn
+    seq_len: int = 0  # tokens of the one sequence measured
+    fwd_tflops: float = 0.0  # attention forward
+    bwd_tflops: float = 0.0  # attention forward + backward, as 3 forwards' FLOPs
+
+
+@dataclass
 class HardwareConfig(LayerFigures):
     """Figures of 0 are unknown: no GPU memory cap, no MFU, no step-time prediction. The layer and head figures
     (LayerFigures) are those of `layer_model`'s layer."""
@@ -250,6 +262,7 @@ class HardwareConfig(LayerFigures):
     attn_seq_len: int = 0  # the sequence length the attention figures were measured at
     attn_fwd_tflops: float = 0.0  # attention forward
     attn_bwd_tflops: float = 0.0  # attention forward + backward, as 3 forwards' FLOPs
+    attn_points: List[AttentionPoint] = field(default_factory=list)  # other backends and lengths (see AttentionPoint)
     # A mixture-of-experts layer's figures (its FLOPs other than attention's, active experts counted), measured on
     # the layer of moe_model; MoE runs use them in place of the dense layer's, which are far too fast for them.
     moe_model: str = ""
@@ -837,6 +850,25 @@ def _validate_layer_widths(hw: DictConfig) -> None:
         _layer_figures_together(width, key)
 
 
+def _validate_attn_points(hw: DictConfig) -> None:
+    if not hw.attn_points:
+        return
+    if hw.attn_fwd_tflops <= 0:
+        raise ConfigError(f"hardware.attn_points has {len(hw.attn_points)} entries without the main attention "
+                          "figures (hardware.attn_fwd_tflops, ...): python -m engine.calibrate --attn-points writes both")
+    seen = {(hw.attn_backend, hw.attn_seq_len): "hardware.attn_backend / attn_seq_len"}
+    for i, point in enumerate(hw.attn_points):
+        key = f"hardware.attn_points[{i}]"
+        _choice(f"{key}.backend", point.backend, ATTENTION_BACKENDS[1:])
+        _positive(f"{key}.seq_len", point.seq_len)
+        for k in ("fwd_tflops", "bwd_tflops"):
+            _real(f"{key}.{k}", point[k], 0, low_open=True)
+        if (point.backend, point.seq_len) in seen:
+            raise ConfigError(f"{key} ({point.backend} at {point.seq_len} tokens) repeats the point of "
+                              f"{seen[point.backend, point.seq_len]}; give each backend and length once")
+        seen[point.backend, point.seq_len] = key
+
+
 def _layer_figures_together(node: DictConfig, key: str) -> None:
     """A mode's layer and head figures (LayerFigures) are used together: all of them set, or none."""
     for mode in ("compiled", "eager"):
@@ -868,6 +900,7 @@ def _validate_hardware(cfg: DictConfig) -> None:
             raise ConfigError(f"hardware.attn_fwd_tflops={hw.attn_fwd_tflops}, hardware.attn_bwd_tflops="
                               f"{hw.attn_bwd_tflops} without layer figures: they time a layer's attention beside its "
                               "other FLOPs (hardware.fwd_tflops_<mode>, python -m engine.calibrate measures both)")
+    _validate_attn_points(hw)
     for mode in ("compiled", "eager"):
         fwd, bwd, layer = f"moe_fwd_tflops_{mode}", f"moe_bwd_tflops_{mode}", f"fwd_tflops_{mode}"
         if (hw[fwd] > 0) != (hw[bwd] > 0) or (hw[fwd] > 0 and (not hw.moe_model or hw[layer] <= 0)):

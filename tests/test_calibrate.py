@@ -2,8 +2,10 @@
 schema accepts, keeps the base profile's other fields, writes 0 for the figures that need CUDA, and refuses bad
 arguments before measuring."""
 
+import argparse
 import json
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from engine.config import HardwareConfig, ModelConfig
+from engine.config import HardwareConfig, ModelConfig, _validate_attn_points
 from engine.metrics import model_flops_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,6 +112,9 @@ def test_layer_figures_leave_out_the_attention_timed_alone(calibrate, tmp_path, 
     (["--copy-gib", "0"], ["--copy-gib 0.0"]),
     (["--adam-gparams", "nan"], ["--adam-gparams nan"]),
     (["--attn-seq-len", "0"], ["--attn-seq-len 0"]),
+    (["--attn-points", "cudnn:128"], ["--attn-points 'cudnn:128'", "BACKEND:TOKENS", "triton, sdpa"]),
+    (["--attn-points", "sdpa:0"], ["--attn-points 'sdpa:0'"]),
+    (["--attn-points", "sdpa:128", "sdpa:128"], ["--attn-points sdpa:128 is given twice"]),
     (["--repeats", "0"], ["--repeats 0"]),
     (["--warmup", "0"], ["--warmup 0"]),
     (["--base", "/no/such/profile.yaml"], ["/no/such/profile.yaml"]),
@@ -123,6 +128,47 @@ def test_refuses_bad_arguments_naming_the_value(calibrate, tmp_path, capsys, arg
     for text in named:
         assert text in err
     assert not out.exists()
+
+
+def test_attention_points_measure_more_backends_and_lengths(calibrate, tmp_path, monkeypatch):
+    """--attn-points: each (backend, length) but the main one's gets the two attention figures at that length,
+    timed as often as ~10 s allow; the profile lists them and the schema takes it. Without the flag the base
+    profile's points are kept."""
+    seconds = {"attention fwd sdpa 128": 0.004, "attention bwd sdpa 128": 0.01}
+    monkeypatch.setattr(calibrate, "median_s_within",
+                        lambda fn, args, on_device, what, budget_s=10.0: seconds.get(what, 0.02))
+    out = tmp_path / "p.yaml"
+    figures = calibrate.main([*TINY, "--attn-points", "sdpa:128", "sdpa:96", "sdpa:256", "--out", str(out)])
+    nh, hd = 6, 48
+    attn_128 = 4 * nh * hd * 64 * 128
+    first, second = figures["attn_points"]
+    assert first == {"backend": "sdpa", "seq_len": 128, "fwd_tflops": pytest.approx(attn_128 / 0.004 / 1e12),
+                     "bwd_tflops": pytest.approx(3 * attn_128 / 0.01 / 1e12)}
+    assert second["seq_len"] == 256  # sdpa at 96 tokens is the main point (--attn-seq-len 96): not repeated
+    profile = OmegaConf.load(out)
+    assert [p["seq_len"] for p in profile.attn_points] == [128, 256]
+    # the schema reads it and its points pass the checks (the whole profile of a CPU run does not: no link figures)
+    _validate_attn_points(OmegaConf.merge(OmegaConf.structured(HardwareConfig), profile))
+
+    kept = tmp_path / "kept.yaml"
+    calibrate.main([*TINY, "--base", str(out), "--out", str(kept)])
+    assert OmegaConf.load(kept).attn_points == profile.attn_points
+
+
+def test_a_long_attention_point_is_timed_within_its_budget(calibrate):
+    """median_s_within: one untimed call, then as many timed ones as the budget allows at its pace (>= 1)."""
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.05)
+
+    args = argparse.Namespace(repeats=10)
+    assert calibrate.median_s_within(slow, args, False, "slow", budget_s=0.12) >= 0.05
+    assert len(calls) == 1 + 2
+    calls.clear()
+    calibrate.median_s_within(slow, args, False, "slow", budget_s=0.01)
+    assert len(calls) == 2
 
 
 def test_refuses_an_output_in_a_missing_directory(calibrate, tmp_path, capsys):

@@ -6,10 +6,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from engine.config import LayerWidthFigures, validate
+from engine.config import AttentionPoint, ConfigError, LayerWidthFigures, validate
 from engine.formats import StateFormat, all_formats
 from engine.model import ModelSpec
-from engine.plan import GIB, PlanError, build_plan, width_rates
+from engine.plan import GIB, PlanError, attention_rates, build_plan, width_rates
 from tests.util import FP32, make_cfg
 
 
@@ -308,6 +308,52 @@ def test_layers_of_another_width_are_timed_at_that_widths_calibrated_rates():
     eager = tuple(hw[k.replace("compiled", "eager")] for k in keys)
     assert width_rates(hw, "eager", 2048) == (eager, "")  # that width has no eager figures
     assert width_rates(hw, "compiled", 0) == (main, "")  # the run's width unknown
+
+
+def test_attention_is_timed_at_the_runs_backends_figures_at_its_length():
+    """The main attention figures and `attn_points` are (backend, length) points: a run's attention takes its own
+    backend's, interpolated in log(length) between the nearest two, the nearest outside them; a backend without
+    figures takes the main backend's and the note says so."""
+    cfg = make_cfg(["hardware=h100", "plan=true"])
+    hw = cfg.hardware
+    assert (hw.attn_backend, hw.attn_seq_len) == ("sdpa", 32768)
+    main = (hw.attn_fwd_tflops, hw.attn_bwd_tflops)
+    assert attention_rates(hw, "triton", 524288) == (main, "attention at the figures of sdpa at 32768 tokens, the "
+                                                     "nearest measured length (the profile has no triton figures: "
+                                                     "this run's attention is timed as sdpa)")
+    hw.attn_points = [AttentionPoint(backend="triton", seq_len=32768, fwd_tflops=400.0, bwd_tflops=300.0),
+                      AttentionPoint(backend="triton", seq_len=524288, fwd_tflops=200.0, bwd_tflops=100.0),
+                      AttentionPoint(backend="sdpa", seq_len=131072, fwd_tflops=500.0, bwd_tflops=450.0)]
+    validate(cfg)
+    assert attention_rates(hw, "triton", 524288) == ((200.0, 100.0), "attention at the figures of triton at 524288 "
+                                                     "tokens")
+    rates, note = attention_rates(hw, "triton", 131072)  # halfway in log(length) from 32K to 512K
+    assert rates == pytest.approx((300.0, 200.0)) and note.endswith("between 32768 and 524288")
+    assert attention_rates(hw, "triton", 8192)[0] == (400.0, 300.0)
+    assert attention_rates(hw, "sdpa", 1 << 20)[0] == (500.0, 450.0)
+    assert attention_rates(hw, "sdpa", 65536)[0] == pytest.approx(((main[0] + 500) / 2, (main[1] + 450) / 2))
+    assert attention_rates(hw, "triton", 0)[0] == main  # the run's length unknown: the main figures
+    hw.attn_points.append(AttentionPoint(backend="sdpa", seq_len=32768, fwd_tflops=1.0, bwd_tflops=1.0))
+    with pytest.raises(ConfigError, match=r"attn_points\[3\] \(sdpa at 32768 tokens\) repeats the point of "
+                                          "hardware.attn_backend"):
+        validate(cfg)
+    hw.attn_points[3] = AttentionPoint(backend="cudnn", seq_len=65536, fwd_tflops=1.0, bwd_tflops=1.0)
+    with pytest.raises(ConfigError, match=r"attn_points\[3\].backend='cudnn' is not valid"):
+        validate(cfg)
+
+
+def test_a_run_on_the_triton_kernel_at_512k_is_timed_at_the_kernels_figures():
+    """qwen7b at 512K on an H100 profile: with the Triton kernel's own (slower) figures at 512K the step is
+    predicted longer than at SDPA's 32K figures, and the speeds line names them."""
+    plans = []
+    for points in ([], [AttentionPoint(backend="triton", seq_len=524288, fwd_tflops=300.0, bwd_tflops=250.0)]):
+        cfg = make_cfg(["experiment=bench_qwen7b_512k_h100", "hardware=h100", "plan=true"])
+        cfg.hardware.attn_points = points
+        validate(cfg)
+        plans.append(build_plan(ModelSpec(cfg.model), cfg, gpu_gib=78.5, host_gib=125.0, on_gpu=True, check=False))
+    as_sdpa, as_triton = plans
+    assert "timed as sdpa" in as_sdpa.speeds and "figures of triton at 524288 tokens" in as_triton.speeds
+    assert as_triton.times_s["step"] > 1.5 * as_sdpa.times_s["step"]
 
 
 def test_a_calibrated_narrower_layer_lengthens_the_plan_of_a_model_of_that_width():

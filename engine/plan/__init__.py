@@ -70,10 +70,11 @@ from engine.plan.activations import (layer_activation_bytes_per_token, layer_gra
 from engine.plan.build import build_plan, formats_that_fit
 from engine.plan.memory import GIB, MemoryPlan, PlanError
 from engine.plan.shape import StepShape
-from engine.plan.speeds import Speeds, width_rates
+from engine.plan.speeds import Speeds, attention_rates, width_rates
 from engine.plan.stream import StreamPlanner
 from engine.plan.time_model import predict_stream
 
-__all__ = ["GIB", "MemoryPlan", "PlanError", "Speeds", "StepShape", "StreamPlanner", "build_plan", "formats_that_fit",
+__all__ = ["GIB", "MemoryPlan", "PlanError", "Speeds", "StepShape", "StreamPlanner", "attention_rates", "build_plan",
+           "formats_that_fit",
            "layer_activation_bytes_per_token", "layer_graph_bytes", "layer_working_bytes", "loss_activation_bytes",
            "predict_stream", "width_rates"]

@@ -26,6 +26,7 @@ class StepShape:
         self.state_ranks = state_ranks  # data-parallel ranks the host state is sharded over (engine/distributed.py)
         self.grad_transfer = t.grad_transfer_dtype  # the dtype host-updated units' gradients cross the link in
         self.compute_bytes = 2 if on_gpu and t.compute_dtype != "fp32" else 4
+        self.seq_len = t.seq_len  # tokens per sequence: where attention's rate is read
         self.mb_tokens = t.micro_batch_size * t.seq_len
         self.step_tokens = self.mb_tokens * t.grad_accum
         self.h, self.L = spec.arch.hidden, spec.num_layers

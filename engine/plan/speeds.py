@@ -18,10 +18,12 @@ class Speeds:
     profile has attention figures; without them the layer rates time all of it, which is right only near the
     calibration's length (qwen7b's attention is 5% of its FLOPs at 4K tokens per sequence, a third at 32K, 88% at
     512K; one rate fitted at 4K made the 32K step 17% short on an H200). `attention`: the run's backend, named in
-    `describe` when it is not the one the attention figures were measured with. `moe`: the model's layers are MoE
-    layers, timed with the profile's MoE figures where it has them."""
+    `describe` when it is not the one the attention figures were measured with; `seq_len`: the run's tokens per
+    sequence, where the figures of that backend are read (`attention_rates`; 0: the main figures). `moe`: the
+    model's layers are MoE layers, timed with the profile's MoE figures where it has them."""
 
-    def __init__(self, hw, compiled: bool, attention: str = "", moe: bool = False, hidden: int = 0):
+    def __init__(self, hw, compiled: bool, attention: str = "", moe: bool = False, hidden: int = 0,
+                 seq_len: int = 0):
         mode = "compiled" if compiled else "eager"
         self.mode = mode
         rates, self.width_note = width_rates(hw, mode, hidden)
@@ -32,9 +34,11 @@ class Speeds:
             self.fwd, self.bwd = (hw[f"moe_{k}_tflops_{mode}"] * 1e12 for k in ("fwd", "bwd"))
         self.attn_calibrated = min(hw.attn_fwd_tflops, hw.attn_bwd_tflops) > 0
         # without attention figures the layer rates time the attention too
-        self.attn_fwd, self.attn_bwd = (hw.attn_fwd_tflops * 1e12, hw.attn_bwd_tflops * 1e12) \
-            if self.attn_calibrated else (self.fwd, self.bwd)
-        self.attention = attention
+        self.attn_fwd, self.attn_bwd = self.fwd, self.bwd
+        self.attn_note = "attention timed at the layer's rate (no attention figures)"
+        if self.attn_calibrated:
+            rates, self.attn_note = attention_rates(hw, attention, seq_len)
+            self.attn_fwd, self.attn_bwd = (r * 1e12 for r in rates)
         self.h2d, self.d2h, self.bidir = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9, hw.bidir_gbps * 1e9
         # the link's rate while the host AdamW runs, as a fraction of its rate alone (page-locked DMA and the
         # optimizer share host memory bandwidth); 1 where the profile has no such figure
@@ -65,18 +69,41 @@ class Speeds:
         line = f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"
         if self.width_note:
             line += f"; {self.width_note}"
-        if not self.attn_calibrated:
-            line += "; attention timed at the layer's rate (no attention figures)"
-        else:
-            line += f"; attention at its own rates ({hw.attn_backend}, measured at {hw.attn_seq_len} tokens)"
-            if self.attention and self.attention != hw.attn_backend:
-                line += f", but this run's attention is {self.attention}"
+        line += f"; {self.attn_note}"
         if self.moe_calibrated:
             line += f"; MoE layers at the figures of a {hw.moe_model} layer"
         elif self.moe:  # the grouped expert matmuls and their gather / scatter run well below a dense layer's rate
             line += ("; MoE layers are timed at a dense layer's figures (the profile has no MoE figures: "
                      "python -m engine.calibrate --moe-model): expect a longer step, the backward most")
         return line
+
+
+def attention_rates(hw, backend: str, seq_len: int) -> Tuple[Tuple[float, float], str]:
+    """((fwd, bwd) attention TFLOPS, how they were found) for a run of `backend` at `seq_len` tokens per sequence.
+    The profile's main attention figures and its `attn_points` are (backend, length) points: the run's backend's
+    points, or the main backend's where it has none (said in the note), give rates interpolated linearly in
+    log(length) between the two nearest lengths, the nearest point's outside them; `seq_len` 0 takes the main
+    figures."""
+    main = (hw.attn_backend, hw.attn_seq_len, float(hw.attn_fwd_tflops), float(hw.attn_bwd_tflops))
+    points = [main] + [(p.backend, p.seq_len, float(p.fwd_tflops), float(p.bwd_tflops)) for p in hw.attn_points]
+    if seq_len < 1:
+        return main[2:], f"attention at the figures of {main[0]} at {main[1]} tokens"
+    own = sorted(p[1:] for p in points if p[0] == backend)
+    source, note = backend, ""
+    if not own:
+        own = sorted(p[1:] for p in points if p[0] == main[0])
+        source, note = main[0], f" (the profile has no {backend} figures: this run's attention is timed as {main[0]})"
+    below = [p for p in own if p[0] <= seq_len]
+    above = [p for p in own if p[0] >= seq_len]
+    if not below or not above:
+        n, f, b = above[0] if above else below[-1]
+        return (f, b), f"attention at the figures of {source} at {n} tokens, the nearest measured length{note}"
+    (n0, f0, b0), (n1, f1, b1) = below[-1], above[0]
+    if n0 == n1:
+        return (f0, b0), f"attention at the figures of {source} at {n0} tokens{note}"
+    t = math.log(seq_len / n0) / math.log(n1 / n0)
+    return ((f0 + t * (f1 - f0), b0 + t * (b1 - b0)),
+            f"attention at {source}'s figures interpolated for {seq_len} tokens between {n0} and {n1}{note}")
 
 
 def width_rates(hw, mode: str, hidden: int) -> Tuple[Tuple[float, float, float], str]:

@@ -108,7 +108,7 @@ class StreamPlanner:
         self.spec, self.e, self.hw, self.fmt = spec, cfg.engine, cfg.hardware, fmt
         self.gpu_gib, self.host_gib, self.on_gpu, self.state_ranks = gpu_gib, host_gib, ex.on_gpu, state_ranks
         s = self.s = StepShape(spec, cfg, ex.on_gpu, fmt, state_ranks, execution=ex)
-        self.sp = Speeds(self.hw, ex.compiled, s.attention, spec.moe, spec.arch.hidden)
+        self.sp = Speeds(self.hw, ex.compiled, s.attention, spec.moe, spec.arch.hidden, s.seq_len)
         layouts, L = self.layouts, self.L = s.layouts, s.L
         self.n_units = len(layouts)
         self.compute_tier = "gpu" if ex.on_gpu else "host"
