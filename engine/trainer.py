@@ -65,6 +65,7 @@ from engine.execution import Execution
 from engine.metrics import MetricsLogger, gpu_peak_mem_gib, host_peak_rss_gib, run_environment
 from engine.model import ModelSpec
 from engine.plan import MemoryPlan, PlanError, build_plan
+from engine.progress import LONG_STEP_S, STEP_PROGRESS_EVERY_S, StepProgress
 from engine.reference import ReferenceEngine
 from engine.streaming import StreamEngine
 from engine.streaming.engine import OptimizerPassError
@@ -354,6 +355,17 @@ class Trainer:
         self.engine.close()
         self._release_locks()
 
+    def _step_progress(self) -> Optional[StepProgress]:
+        """Progress lines inside each step when the plan predicts steps of LONG_STEP_S or more (streaming engine)."""
+        step_s = (self.plan.times_s or {}).get("step", 0.0)
+        if not isinstance(self.engine, StreamEngine) or step_s < LONG_STEP_S:
+            return None
+        progress = StepProgress(self.spec.num_layers, self.log, STEP_PROGRESS_EVERY_S)
+        self.engine.layer_progress = progress
+        self.log(f"steps of about {step_s / 60:.0f} minutes predicted: a progress line at most every "
+                 f"{progress.every_s:.0f} s inside each step")
+        return progress
+
     def _train_batches(self, step: int):
         t = self.cfg.train
         return [self.data.batch("train", step * t.grad_accum + j, t.micro_batch_size)
@@ -439,8 +451,11 @@ class Trainer:
                 if self.execution.compiled and step < t.steps:
                     self.log("the first step compiles the layer and loss templates (torch.compile): expect a minute "
                              "or more before its line")
+                progress = self._step_progress()
                 while step < t.steps and not self.dp.any(signals.received is not None):
                     lr = optim.lr_at(step, t)
+                    if progress is not None:
+                        progress.begin(step + 1)
                     record = self.engine.train_step(self._train_batches(step), lr)
                     step += 1
                     span_tokens += record["tokens"]

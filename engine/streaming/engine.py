@@ -83,7 +83,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -154,6 +154,8 @@ class StreamEngine:
         # bf16 transfer (train.grad_transfer_dtype): the host-updated units' gradients cross the link as bf16
         self.transfer_bf16 = t.grad_transfer_dtype == "bf16" and bool(self.host_units)
         self.notes: List[str] = []  # for the run log
+        # called with (phase, layers done) after each layer of the forward and the backward (engine/progress.py)
+        self.layer_progress: Optional[Callable[[str, int], None]] = None
         if t.grad_transfer_dtype == "bf16" and not self.host_units:
             self.notes.append(f"train.grad_transfer_dtype=bf16 has no effect: the placement updates all {n_units} "
                               "units on the GPU (engine.gpu_resident_units + engine.gpu_streamed_units), so no "
@@ -508,6 +510,8 @@ class StreamEngine:
                         x[m] = spec.layer(p, x[m], self.pos[m], k - 1)
             self._release(k)
             self._load_ahead(order, k, wait=True)  # the last layer's window holds the head
+            if self.layer_progress is not None and keep:
+                self.layer_progress("forward", k)
         return x
 
     def _head(self, x: List[torch.Tensor], labels: List[torch.Tensor], n_tokens: int, grad_hook):
@@ -567,6 +571,8 @@ class StreamEngine:
             self._release(unit)
             self._load_ahead(order, k, wait=True)
             self._finish_grad(unit, grad_hook)
+            if self.layer_progress is not None:
+                self.layer_progress("backward", k + 1)
 
     def _prefetch_input(self, i: int, m: int) -> None:
         if (i, m) not in self.regenerated and (i in self.stored_inputs or self.activations.holds_spare(i, m)):
