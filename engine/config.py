@@ -168,10 +168,10 @@ class TrainConfig:
     # the MLP block in token chunks, each recomputed in the backward (engine/model/dense.py): -1 auto (32K-token chunks
     # when a micro-batch holds more than 64K tokens), 0 off, N tokens per chunk
     mlp_chunk_tokens: int = -1
-    # the lean long-context layer (engine/model/lean.py): a dense layer's per-token work in chunks of
+    # the lean long-context layer (engine/model/lean.py): a layer's per-token work (dense or MoE) in chunks of
     # train.mlp_chunk_tokens around the Triton attention, whose output the backward reuses where the plan keeps it.
-    # auto (on where a micro-batch holds more than 128K tokens, the attention auto, the model dense and CUDA there;
-    # attention=auto then takes the Triton kernel) | on (needs the Triton attention and a dense model) | off
+    # auto (on where a micro-batch holds more than 128K tokens, the attention auto and CUDA there; attention=auto
+    # then takes the Triton kernel) | on (needs the Triton attention) | off
     lean_layer: str = one_of("auto", AUTO_ON_OFF)
     log_every: int = 1  # write a metrics record every N steps
     val_every: int = 25  # validate at step 0, every N steps and at the end; 0: at step 0 and the end; -1: never

@@ -39,8 +39,8 @@ class Execution:
         try:
             attention = resolve_attention(t.attention, "cuda" if on_gpu else "cpu", spec.arch.head_dim,
                                           spec.sinks_or_window, packed=cfg.data.name in PACKED_SOURCES,
-                                          lean=lean_layer_wanted(t.lean_layer, spec.moe, mb_tokens))
-            lean = resolve_lean_layer(t.lean_layer, attention, spec.moe, mb_tokens)
+                                          lean=lean_layer_wanted(t.lean_layer, mb_tokens))
+            lean = resolve_lean_layer(t.lean_layer, attention, mb_tokens)
         except ConfigError:
             if strict:
                 raise

@@ -6,6 +6,7 @@
 - The backward from the kept attention output equals the one that runs attention's forward again, bit for bit.
 - The autograd wrapper the reference engine uses gives `lean_backward`'s gradients, and both engines train
   bit-identically through the lean layer.
+- Mixture-of-experts layers (Qwen3-MoE, gpt-oss) equal the plain MoE layer, the balance loss's gradient included.
 - `train.lean_layer=auto` takes it (and the Triton kernel) above 128K tokens a micro-batch on a GPU; `on` where it
   cannot run is refused; the planner counts its working set.
 """
@@ -139,6 +140,61 @@ def test_stream_equals_reference_with_the_lean_layer(monkeypatch, kept_attention
     assert_same(m_s, m_r)
 
 
+def _moe_layer(spec, params, x, dy, compute):
+    """One MoE layer through `spec.layer` (balance term attached) under autograd: output, step stats, per-expert
+    load and the gradients of x and every parameter for sum(y * dy) + coef * balance."""
+    spec.set_layer_compute(compute)
+    spec.begin_step(x.shape[0] * x.shape[1])
+    x = x.detach().clone().requires_grad_()
+    y = spec.layer(params, x, spec.positions(x.shape[1], "cpu"), 0)
+    grads = torch.autograd.grad(y, [x, *params.values()], grad_outputs=dy)
+    return y.detach(), spec.step_stats(), spec.router_stats.load[0], dict(zip(["x", *params], grads))
+
+
+@pytest.mark.parametrize("case, chunk", [("qwen3_moe_1layer", 16), ("gpt_oss_1layer", 50)])
+def test_lean_moe_layer_equals_the_plain_moe_layer_in_fp32(case, chunk):
+    """Qwen3-MoE and gpt-oss (sliding window, sinks, biases), balance coefficient 0.25, chunks that do not divide
+    the 2 x 37 tokens: the lean layer's output, load, balance term and every gradient (the balance term's included)
+    equal the plain layer's on the same kernel; the streaming engine's two calls (forward without autograd,
+    `layer_grads` recomputing attention) give the reference path's output and gradients bit for bit."""
+    from tests.test_moe_vs_hf import B, T, hf_model, make_spec, our_params
+
+    spec = make_spec(case)
+    params = our_params(spec, hf_model(case))[1]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(B, T, spec.arch.hidden, generator=gen)
+    dy = torch.randn(B, T, spec.arch.hidden, generator=gen)
+    y_ref, stats_ref, load_ref, g_ref = _moe_layer(spec, params, x, dy, LayerCompute(attention="triton"))
+    lean_compute = LayerCompute(attention="triton", mlp_chunk_tokens=chunk, lean=True)
+    y, stats, load, g = _moe_layer(spec, params, x, dy, lean_compute)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(load, load_ref) and stats == pytest.approx(stats_ref, rel=1e-6)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-5 * g_ref[name].abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
+    pos, detached = spec.positions(T, "cpu"), {n: t.detach() for n, t in params.items()}
+    with torch.no_grad():
+        assert torch.equal(spec.layer(detached, x, pos, 0), y)
+    spec.begin_step(B * T)
+    dx, by_name = spec.layer_grads(detached, x.clone().requires_grad_(), dy.clone(), pos, 0)
+    assert torch.equal(dx, g["x"])
+    for name in params:
+        assert torch.equal(by_name[name].to(g[name].dtype), g[name]), name
+    assert spec.step_stats() == stats
+
+
+def test_stream_equals_reference_with_the_lean_moe_layer():
+    from tests.test_engine_equivalence import FAMILIES
+
+    over = [*FAMILIES["qwen3_moe"], "train.attention=triton", "train.lean_layer=on", "train.mlp_chunk_tokens=20",
+            "train.grad_accum=1", "model.num_hidden_layers=2"]
+    rec_r, w_r, m_r, _ = train("reference", over, steps=2)
+    rec_s, w_s, m_s, _ = train("stream", over, steps=2)
+    assert [r["loss"] for r in rec_s] == [r["loss"] for r in rec_r]
+    assert_same(w_s, w_r)
+    assert_same(m_s, m_r)
+
+
 def _execution(overrides, on_gpu=True):
     cfg = make_cfg(["model=qwen7b", "train.micro_batch_size=1", "train.grad_accum=1", *overrides])
     return Execution.of(ModelSpec(cfg.model), cfg, on_gpu=on_gpu, strict=True)
@@ -154,13 +210,13 @@ def test_auto_takes_the_lean_layer_and_its_kernel_above_128k_tokens_on_a_gpu():
     assert not _execution(long, on_gpu=False).lean  # no Triton kernel on a CPU outside the interpreter's tests
     assert not _execution([*long, "train.lean_layer=off"]).lean
     assert not _execution([*long, "train.attention=sdpa"]).lean
+    moe_long = _execution(["model=gptoss20b", *long])  # mixture-of-experts layers run lean too
+    assert (moe_long.lean, moe_long.attention) == (True, "triton")
 
 
 def test_the_lean_layer_asked_for_where_it_cannot_run_is_refused():
     with pytest.raises(ConfigError, match="needs the Triton attention.*resolved to sdpa"):
         _execution(["train.lean_layer=on", "train.attention=sdpa"])
-    with pytest.raises(ConfigError, match="written for dense layers"):
-        resolve_lean_layer("on", "triton", moe=True, micro_batch_tokens=1024)
 
 
 def test_the_planner_counts_the_lean_layers_working_set():

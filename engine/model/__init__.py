@@ -70,6 +70,7 @@ class ModelSpec:
                 qkv_bias=m.qkv_bias, qk_norm=m.qk_norm, tied=m.tie_word_embeddings)
             layer_specs = dense.layer_specs(self.arch)
         self._layer_fn = moe.decoder_layer if self.moe else dense.decoder_layer
+        self._lean_fns = lean.ChunkFns.of(self.moe)
         types = m.layer_types or []
         # keys seen per query on each layer (None: all earlier ones); a depth-truncated run takes the first types
         self.layer_windows: List[Optional[int]] = [
@@ -148,8 +149,7 @@ class ModelSpec:
             inductor_config.compile_threads = inductor_config.decide_compile_threads()
         self._layer_fn = torch.compile(self._layer_fn, dynamic=False)
         self._layer_to_down_fn = torch.compile(self._layer_to_down_fn, dynamic=False)
-        self._lean_fns = lean.ChunkFns(qkv=torch.compile(dense.project_qkv, dynamic=False),
-                                       second_half=torch.compile(lean.second_half, dynamic=False))
+        self._lean_fns = lean.ChunkFns.of(self.moe, lambda fn: torch.compile(fn, dynamic=False))
         self._loss_chunk_fn = torch.compile(dense.chunk_loss_sum, dynamic=False)
 
     def use_fused_loss(self) -> None:
@@ -163,7 +163,6 @@ class ModelSpec:
         self.compute = compute
 
     compute = dense.LayerCompute()
-    _lean_fns = lean.ChunkFns()
     _loss_chunk_fn = staticmethod(dense.chunk_loss_sum)
     _layer_to_down_fn = staticmethod(dense.decoder_layer_to_down_proj)
     fused_loss = False
@@ -176,11 +175,17 @@ class ModelSpec:
         """Decoder layer number `layer` (0-based; it picks the attention window) applied to x."""
         if self.compute.lean:
             return lean.lean_layer(p, x_BTD, pos, self.arch, self.compute.mlp_chunk_tokens, self.layer_windows[layer],
-                                   self._lean_fns)
+                                   self._lean_fns, self._balance(layer))
         if not self.moe:
             return self._layer_fn(p, x_BTD, pos, self.arch, self.compute)
         y, aux, load = self._layer_fn(p, x_BTD, pos, self.arch, self.compute, self.layer_windows[layer])
         return self.router_stats.attach(y, aux, load, layer)
+
+    def _balance(self, layer: int) -> Optional[lean.Balance]:
+        """The lean MoE layer's hook for its balance term: records it and returns its weight (`RouterStats`)."""
+        if not self.moe:
+            return None
+        return lambda aux, load, tokens: self.router_stats._record(layer, tokens, aux, load)
 
     def layer_keeping_attention(self, p, x_BTD, pos: Positions, layer: int):
         """(the lean layer's output, its `lean.KeptAttention`) for a forward without autograd whose backward will
@@ -208,7 +213,8 @@ class ModelSpec:
         output when given), writing d x over dy. Call under the run's autocast."""
         if self.compute.lean:
             return lean.lean_backward(p, x_in, dy, pos, self.arch, self.compute.mlp_chunk_tokens,
-                                      self.layer_windows[layer], kept, self._lean_fns, in_place=True)
+                                      self.layer_windows[layer], kept, self._lean_fns, in_place=True,
+                                      balance=self._balance(layer))
         B, T, _ = x_in.shape
         if not self.recompute_stops_before_down_proj(dense.mlp_chunked(self.compute.mlp_chunk_tokens, B * T)):
             return backprop(self.layer(p, x_in, pos, layer), x_in, p, dy)

@@ -26,6 +26,15 @@ compute dtype (3 x nh x hd + 4 x kv x hd elements; dq is written over out, which
 pass reads) and the log-sum-exp, plus one chunk's autograd graph. No tensor is
 expanded to the query heads (the kernel reads each K/V head for its group of query heads).
 
+Mixture-of-experts layers (engine/model/moe.py) run the same way: their second half is the output projection and
+the routed block (norm, router, experts) of one chunk, which also returns the chunk's routing sums. The balance
+loss E * sum_e f_e P_e needs the whole layer's load f, which no chunk knows alone: the backward first routes every
+chunk without autograd (o_proj, norm and router only) to count the load and the probability sums, hands the
+layer's balance term to `balance` (which records it and returns its weight in the loss, `RouterStats`), and then
+back-propagates each chunk from its output gradient and, through its probability sums, the balance term's
+gradient weight * E * f_e / N^2. Every token routes as in the plain layer, so the two agree as the chunked MoE
+block does.
+
 Exactness: every op is the plain layer's on a subset of tokens, so the forward equals the plain layer's row for row
 up to the matmuls' blocking, and weight gradients summed over chunks equal the unchunked sums to fp32 rounding (not
 bit for bit). Both engines run this same code (the reference through `lean_layer`'s autograd Function), so they stay
@@ -42,7 +51,7 @@ import torch
 
 from engine.config import ConfigError
 from engine.device import autocast_dtype
-from engine.model import dense
+from engine.model import dense, moe
 from engine.model.rope import Positions
 from streamtrain_kernels.attention import attention_backward_over_out, layer_attention_forward
 
@@ -53,35 +62,31 @@ Params = Dict[str, torch.Tensor]
 AUTO_LEAN_MIN_TOKENS = 131072
 
 
-def lean_layer_wanted(requested: str, moe: bool, micro_batch_tokens: int) -> bool:
-    """Whether a run of `train.lean_layer=requested` (auto | on | off) is one the lean layer is for (a dense model
+def lean_layer_wanted(requested: str, micro_batch_tokens: int) -> bool:
+    """Whether a run of `train.lean_layer=requested` (auto | on | off) is one the lean layer is for (`on`, or `auto`
     above AUTO_LEAN_MIN_TOKENS a micro-batch), before the attention backend is known: `train.attention=auto` then
     takes the Triton kernel, which the lean layer needs."""
-    return requested != "off" and not moe and micro_batch_tokens > AUTO_LEAN_MIN_TOKENS
+    return requested == "on" or (requested == "auto" and micro_batch_tokens > AUTO_LEAN_MIN_TOKENS)
 
 
-def resolve_lean_layer(requested: str, attention: str, moe: bool, micro_batch_tokens: int) -> bool:
+def resolve_lean_layer(requested: str, attention: str, micro_batch_tokens: int) -> bool:
     """Whether the layers run lean, for `train.lean_layer=requested` (auto | on | off) with the resolved attention
     backend; raises ConfigError naming what would be valid when `on` cannot run."""
     if requested == "on":
-        if moe:
-            raise ConfigError("train.lean_layer=on: the lean layer is written for dense layers; this model's layers "
-                              "are mixture-of-experts (use train.lean_layer=off and train.mlp_chunk_tokens)")
         if attention != "triton":
             raise ConfigError(f"train.lean_layer=on needs the Triton attention (its backward takes the kept output "
                               f"and log-sum-exp), but train.attention resolved to {attention}; set "
                               "train.attention=triton or auto")
         return True
-    return attention == "triton" and lean_layer_wanted(requested, moe, micro_batch_tokens)
+    return attention == "triton" and lean_layer_wanted(requested, micro_batch_tokens)
 
 
 SINKS = "self_attn.sinks"
-# the parameters of each half: the first half feeds the attention, the second reads its output
+# the parameters of the first half, which feeds the attention; the second half (reading its output) has all others
+# but the sinks, which only the attention reads
 PRE_ATTENTION = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
                  "self_attn.v_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
                  "self_attn.q_norm.weight", "self_attn.k_norm.weight")
-POST_ATTENTION = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "post_attention_layernorm.weight",
-                  "mlp.gate_proj.weight", "mlp.up_proj.weight", dense.DOWN_PROJ)
 
 
 @dataclass
@@ -132,12 +137,35 @@ def second_half(p: Params, x_BTD: torch.Tensor, attn_BTF: torch.Tensor, a) -> to
     return dense.mlp_residual(p, dense.output_residual(p, x_BTD, attn_BTF), a)
 
 
+def moe_second_half(p: Params, x_BTD: torch.Tensor, attn_BTF: torch.Tensor, a):
+    """A MoE layer after attention: output projection and residual, routed block and residual; with the chunk's
+    routing sums: (y [B, C, D], choices per expert [E], router probabilities summed over the chunk [E])."""
+    x_BTD = dense.output_residual(p, x_BTD, attn_BTF)
+    B, C, D = x_BTD.shape
+    y_ND, load, prob_sum = moe._routed_block(p, x_BTD.reshape(B * C, D), a)
+    return y_ND.view(B, C, D), load, prob_sum
+
+
+def moe_routing(p: Params, x_BTD: torch.Tensor, attn_BTF: torch.Tensor, a):
+    """The routing sums of `moe_second_half` without its experts: (choices per expert [E], probability sums [E])."""
+    x_BTD = dense.output_residual(p, x_BTD, attn_BTF)
+    y_ND = dense.rms_norm(x_BTD.reshape(-1, x_BTD.shape[-1]), p["post_attention_layernorm.weight"], a.eps)
+    logits, _, chosen = moe.route(p, y_ND, a)
+    return moe.routing_sums(logits, chosen, a.experts)
+
+
 @dataclass(frozen=True)
 class ChunkFns:
     """The per-chunk templates, plain or torch.compiled (`ModelSpec.compile_templates`): the layer's first half up to
     the attention inputs, and its second half from the attention output."""
     qkv: Callable = dense.project_qkv
-    second_half: Callable = second_half
+    second_half: Callable = second_half  # `moe_second_half` for MoE layers
+
+    @staticmethod
+    def of(moe_layers: bool, compile_fn: Callable = lambda f: f) -> "ChunkFns":
+        """The templates of a dense or a MoE layer, each passed through `compile_fn` (torch.compile, or none)."""
+        return ChunkFns(qkv=compile_fn(dense.project_qkv),
+                        second_half=compile_fn(moe_second_half if moe_layers else second_half))
 
 
 def lean_forward(p: Params, x_BTD: torch.Tensor, pos: Positions, a, chunk_tokens: int,
@@ -148,9 +176,30 @@ def lean_forward(p: Params, x_BTD: torch.Tensor, pos: Positions, a, chunk_tokens
     out, lse = layer_attention_forward(q, k, v, window, p.get(SINKS), pos.doc_start_BT)
     del q, k, v
     y = torch.empty_like(x_BTD)
+    moe_layer = isinstance(a, moe.MoeArch)
     for start, stop in _chunks(T, B, chunk_tokens):
-        y[:, start:stop] = fns.second_half(p, x_BTD[:, start:stop], _rows(out, start, stop), a)
+        y_c = fns.second_half(p, x_BTD[:, start:stop], _rows(out, start, stop), a)
+        y[:, start:stop] = y_c[0] if moe_layer else y_c
     return y, (KeptAttention(out, lse) if keep else None)
+
+
+Balance = Callable[[torch.Tensor, torch.Tensor, int], float]  # (balance term, load [E], tokens) -> its loss weight
+
+
+def _balance_grad(p: Params, x_BTD: torch.Tensor, out_BHTD: torch.Tensor, a, chunk_tokens: int,
+                  balance: Balance) -> torch.Tensor:
+    """A MoE layer's balance term: routes every chunk without autograd for the layer's load and probability sums,
+    hands the term to `balance`, and returns its gradient on each chunk's probability sums, weight * E * f / N
+    (fp32 [E], f = load / N the layer's expert fractions: the term is E * sum_e f_e * prob_sum_e / N)."""
+    B, T, _ = x_BTD.shape
+    load = prob_sum = None
+    with torch.no_grad():
+        for start, stop in _chunks(T, B, chunk_tokens):
+            load_c, prob_c = moe_routing(p, x_BTD[:, start:stop], _rows(out_BHTD, start, stop), a)
+            load, prob_sum = (load_c, prob_c) if load is None else (load + load_c, prob_sum + prob_c)
+    N = B * T
+    weight = balance(moe.balance_loss(load, prob_sum, N), load, N)
+    return weight * a.experts * (load.float() / N) / N
 
 
 def _accumulate(total: Dict[str, torch.Tensor], names, grads) -> None:
@@ -163,11 +212,15 @@ def _accumulate(total: Dict[str, torch.Tensor], names, grads) -> None:
 
 def lean_backward(p: Params, x_BTD: torch.Tensor, dy_BTD: torch.Tensor, pos: Positions, a, chunk_tokens: int,
                   window: Optional[int] = None, kept: Optional[KeptAttention] = None, fns: ChunkFns = ChunkFns(),
-                  in_place: bool = False):
+                  in_place: bool = False, balance: Optional[Balance] = None):
     """(d x [B, T, D], {name: fp32 gradient} for every tensor of p) of `lean_forward` at x for the output gradient dy.
     `kept`: the forward's attention output and log-sum-exp (else attention's forward runs again); its output tensor
     is overwritten (dq is written over it). `in_place`: d x is written over dy (a caller that no longer needs dy
-    saves a [B, T, D] buffer). Call under the run's autocast; p's tensors need not require grad."""
+    saves a [B, T, D] buffer). `balance` (MoE layers): takes the layer's balance term and returns its weight in the
+    loss (`RouterStats`). Call under the run's autocast; p's tensors need not require grad."""
+    moe_layer = isinstance(a, moe.MoeArch)
+    if moe_layer and balance is None:
+        raise ValueError("lean_backward: a MoE layer's backward needs `balance` (its balance term's loss weight)")
     B, T, _ = x_BTD.shape
     x_BTD = x_BTD.detach()
     with torch.no_grad():
@@ -177,13 +230,17 @@ def lean_backward(p: Params, x_BTD: torch.Tensor, dy_BTD: torch.Tensor, pos: Pos
     grads: Dict[str, torch.Tensor] = {}
     dx = dy_BTD if in_place else torch.empty_like(x_BTD)
     d_out = torch.empty_like(kept.out_BHTD)
-    post = {n: p[n].detach().requires_grad_() for n in POST_ATTENTION if n in p}
+    post = {n: t.detach().requires_grad_() for n, t in p.items() if n not in PRE_ATTENTION and n != SINKS}
+    prob_grad = _balance_grad(p, x_BTD, kept.out_BHTD, a, chunk_tokens, balance) if moe_layer else None
     for start, stop in _chunks(T, B, chunk_tokens):
         x_c = x_BTD[:, start:stop].detach().requires_grad_()
         attn_c = _rows(kept.out_BHTD, start, stop).detach().requires_grad_()
         with torch.enable_grad():
             y_c = fns.second_half(post, x_c, attn_c, a)
-        dx_c, d_attn_c, *g = torch.autograd.grad(y_c, [x_c, attn_c, *post.values()], dy_BTD[:, start:stop])
+        # a MoE chunk also back-propagates the balance term through its probability sums
+        outputs, out_grads = ((y_c[0], y_c[2]), (dy_BTD[:, start:stop], prob_grad)) if moe_layer else \
+            (y_c, dy_BTD[:, start:stop])
+        dx_c, d_attn_c, *g = torch.autograd.grad(outputs, [x_c, attn_c, *post.values()], out_grads)
         dx[:, start:stop] = dx_c
         d_out[:, :, start:stop] = d_attn_c.view(B, stop - start, a.heads, a.head_dim).transpose(1, 2)
         _accumulate(grads, post, g)
@@ -209,11 +266,11 @@ class _LeanLayer(torch.autograd.Function):
     the forward's autocast state. The engines' plain-autograd paths (engine=reference, kept layer graphs) use it."""
 
     @staticmethod
-    def forward(ctx, x_BTD, pos, a, chunk_tokens, window, fns, names, *values):
+    def forward(ctx, x_BTD, pos, a, chunk_tokens, window, fns, balance, names, *values):
         p = dict(zip(names, values))
         y, kept = lean_forward(p, x_BTD, pos, a, chunk_tokens, window, keep=True, fns=fns)
         ctx.save_for_backward(x_BTD, kept.out_BHTD, kept.lse_BHT, *values)
-        ctx.cfg = (pos, a, chunk_tokens, window, fns, names)
+        ctx.cfg = (pos, a, chunk_tokens, window, fns, balance, names)
         device_type = x_BTD.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         return y
@@ -221,19 +278,22 @@ class _LeanLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_BTD):
         x_BTD, out, lse, *values = ctx.saved_tensors
-        pos, a, chunk_tokens, window, fns, names = ctx.cfg
+        pos, a, chunk_tokens, window, fns, balance, names = ctx.cfg
         device_type, enabled, dtype = ctx.autocast
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             dx, grads = lean_backward(dict(zip(names, values)), x_BTD, dy_BTD, pos, a, chunk_tokens, window,
-                                      KeptAttention(out, lse), fns)
-        return (dx, None, None, None, None, None, None, *(grads[n].to(t.dtype) for n, t in zip(names, values)))
+                                      KeptAttention(out, lse), fns, balance=balance)
+        return (dx, None, None, None, None, None, None, None,
+                *(grads[n].to(t.dtype) for n, t in zip(names, values)))
 
 
 def lean_layer(p: Params, x_BTD: torch.Tensor, pos: Positions, a, chunk_tokens: int,
-               window: Optional[int] = None, fns: ChunkFns = ChunkFns()) -> torch.Tensor:
-    """The dense decoder layer, lean: differentiable in x and p when autograd is on (the backward reuses the forward's
-    attention output), `lean_forward` without it."""
+               window: Optional[int] = None, fns: ChunkFns = ChunkFns(),
+               balance: Optional[Balance] = None) -> torch.Tensor:
+    """The decoder layer (dense or MoE), lean: differentiable in x and p when autograd is on (the backward reuses
+    the forward's attention output; a MoE layer's adds its balance term's gradient, `balance` giving its weight),
+    `lean_forward` without it."""
     if not torch.is_grad_enabled():
         return lean_forward(p, x_BTD, pos, a, chunk_tokens, window, fns=fns)[0]
     names = tuple(p)
-    return _LeanLayer.apply(x_BTD, pos, a, chunk_tokens, window, fns, names, *(p[n] for n in names))
+    return _LeanLayer.apply(x_BTD, pos, a, chunk_tokens, window, fns, balance, names, *(p[n] for n in names))
