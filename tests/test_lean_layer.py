@@ -140,23 +140,24 @@ def test_stream_equals_reference_with_the_lean_layer(monkeypatch, kept_attention
     assert_same(m_s, m_r)
 
 
-def _moe_layer(spec, params, x, dy, compute):
+def _moe_layer(spec, params, x, dy, pos, compute):
     """One MoE layer through `spec.layer` (balance term attached) under autograd: output, step stats, per-expert
     load and the gradients of x and every parameter for sum(y * dy) + coef * balance."""
     spec.set_layer_compute(compute)
     spec.begin_step(x.shape[0] * x.shape[1])
     x = x.detach().clone().requires_grad_()
-    y = spec.layer(params, x, spec.positions(x.shape[1], "cpu"), 0)
+    y = spec.layer(params, x, pos, 0)
     grads = torch.autograd.grad(y, [x, *params.values()], grad_outputs=dy)
     return y.detach(), spec.step_stats(), spec.router_stats.load[0], dict(zip(["x", *params], grads))
 
 
-@pytest.mark.parametrize("case, chunk", [("qwen3_moe_1layer", 16), ("gpt_oss_1layer", 50)])
-def test_lean_moe_layer_equals_the_plain_moe_layer_in_fp32(case, chunk):
-    """Qwen3-MoE and gpt-oss (sliding window, sinks, biases), balance coefficient 0.25, chunks that do not divide
-    the 2 x 37 tokens: the lean layer's output, load, balance term and every gradient (the balance term's included)
-    equal the plain layer's on the same kernel; the streaming engine's two calls (forward without autograd,
-    `layer_grads` recomputing attention) give the reference path's output and gradients bit for bit."""
+@pytest.mark.parametrize("case, chunk, docs", [("qwen3_moe_1layer", 16, False), ("qwen3_moe_1layer", 30, True),
+                                               ("gpt_oss_1layer", 50, False)], ids=["qwen3-moe", "packed", "gpt-oss"])
+def test_lean_moe_layer_equals_the_plain_moe_layer_in_fp32(case, chunk, docs):
+    """Qwen3-MoE (also on packed rows) and gpt-oss (sliding window, sinks, biases), balance coefficient 0.25, chunks
+    that do not divide the 2 x 37 tokens: the lean layer's output, load, balance term and every gradient (the balance
+    term's included) equal the plain layer's on the same kernel; the streaming engine's two calls (forward without
+    autograd, `layer_grads` recomputing attention) give the reference path's output and gradients bit for bit."""
     from tests.test_moe_vs_hf import B, T, hf_model, make_spec, our_params
 
     spec = make_spec(case)
@@ -164,15 +165,19 @@ def test_lean_moe_layer_equals_the_plain_moe_layer_in_fp32(case, chunk):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(B, T, spec.arch.hidden, generator=gen)
     dy = torch.randn(B, T, spec.arch.hidden, generator=gen)
-    y_ref, stats_ref, load_ref, g_ref = _moe_layer(spec, params, x, dy, LayerCompute(attention="triton"))
+    pos = spec.positions(T, "cpu")
+    if docs:  # row 0: documents of 10, 20 and 7 tokens; row 1: one document
+        starts = torch.tensor([0] * 10 + [10] * 20 + [30] * 7, dtype=torch.int32)
+        pos = pos.of_rows(torch.stack([starts, torch.zeros(T, dtype=torch.int32)]))
+    y_ref, stats_ref, load_ref, g_ref = _moe_layer(spec, params, x, dy, pos, LayerCompute(attention="triton"))
     lean_compute = LayerCompute(attention="triton", mlp_chunk_tokens=chunk, lean=True)
-    y, stats, load, g = _moe_layer(spec, params, x, dy, lean_compute)
+    y, stats, load, g = _moe_layer(spec, params, x, dy, pos, lean_compute)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(load, load_ref) and stats == pytest.approx(stats_ref, rel=1e-6)
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-5 * g_ref[name].abs().max().item(),
                                    msg=lambda m: f"{name}: {m}")
-    pos, detached = spec.positions(T, "cpu"), {n: t.detach() for n, t in params.items()}
+    detached = {n: t.detach() for n, t in params.items()}
     with torch.no_grad():
         assert torch.equal(spec.layer(detached, x, pos, 0), y)
     spec.begin_step(B * T)
