@@ -388,7 +388,8 @@ def measure_attention_point(spec: ModelSpec, backend: str, tokens: int, args: ar
     on_device = device.type == "cuda"
     flops, forward, backward = attention_timer(spec, backend, 1, tokens, None, device, compute_dtype)
     point = {"backend": backend, "seq_len": tokens,
-             "fwd_tflops": flops / median_s_within(forward, args, on_device, f"attention fwd {backend} {tokens}") / 1e12,
+             "fwd_tflops": flops / median_s_within(forward, args, on_device, f"attention fwd {backend} {tokens}")
+             / 1e12,
              "bwd_tflops": 3 * flops / median_s_within(backward, args, on_device, f"attention bwd {backend} {tokens}")
              / 1e12}
     log(f"attention {backend} at 1 x {tokens}: fwd {point['fwd_tflops']:.2f} TFLOP/s, fwd + bwd "

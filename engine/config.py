@@ -855,7 +855,8 @@ def _validate_attn_points(hw: DictConfig) -> None:
         return
     if hw.attn_fwd_tflops <= 0:
         raise ConfigError(f"hardware.attn_points has {len(hw.attn_points)} entries without the main attention "
-                          "figures (hardware.attn_fwd_tflops, ...): python -m engine.calibrate --attn-points writes both")
+                          "figures (hardware.attn_fwd_tflops, ...): python -m engine.calibrate --attn-points writes "
+                          "both")
     seen = {(hw.attn_backend, hw.attn_seq_len): "hardware.attn_backend / attn_seq_len"}
     for i, point in enumerate(hw.attn_points):
         key = f"hardware.attn_points[{i}]"

@@ -251,7 +251,8 @@ class Trainer:
         lc = self.execution
         if lc.lean:
             self.log(f"layers: lean (train.lean_layer={t.lean_layer}), every per-token op in chunks of "
-                     f"{lc.mlp_chunk_tokens} tokens around the attention, {lc.attention} (train.attention={t.attention})")
+                     f"{lc.mlp_chunk_tokens} tokens around the attention, {lc.attention} "
+                     f"(train.attention={t.attention})")
         else:
             self.log(f"layers: attention {lc.attention} (train.attention={t.attention}), MLP "
                      + (f"in chunks of {lc.mlp_chunk_tokens} tokens" if lc.mlp_chunk_tokens else "unchunked"))

@@ -71,9 +71,9 @@ next_pow2(T) capped at 16K, so all long sequences share one tuned config per ker
 config about 8 times on the call that meets a key first; at 512K tokens (qwen7b: 5-13 s per kernel call) that is
 over ten minutes. So the first call longer than the cap tunes on a proxy first: the same kernel on the first 16K
 positions of its own inputs (same key; causal rows there see only keys there, so the slice is a valid problem), in a
-fraction of a second, and then runs once at full length with the tuned config. STREAMTRAIN_ATTN_AUTOTUNE=0 skips tuning and uses one default
-config per kernel, as does torch's deterministic mode (`train.deterministic`); fp32 inputs always use a fixed small
-config. A fresh machine compiles ~14 configs per (D, causal, window, sinks) combination on first use (about a
+fraction of a second, and then runs once at full length with the tuned config. STREAMTRAIN_ATTN_AUTOTUNE=0 skips
+tuning and uses one default config per kernel, as does torch's deterministic mode (`train.deterministic`); fp32
+inputs always use a fixed small config. A fresh machine compiles ~14 configs per (D, causal, window, sinks) combination on first use (about a
 minute).
 """
 

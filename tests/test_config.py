@@ -259,11 +259,15 @@ BAD = {
     "hardware.layer_hidden": ["hardware.layer_hidden=-1", "hardware.layer_hidden=x",
                               "hardware=cpu hardware.layer_widths=[{model:qwen3b,hidden:2048}]"],
     "hardware.attn_points": ["hardware.attn_points=x", "hardware.attn_points=[{backend:sdpa,tokens:2048}]",
-                             "hardware=cpu hardware.attn_points=[{backend:sdpa,seq_len:2048,fwd_tflops:1,bwd_tflops:1}]",
-                             "hardware=h100 hardware.attn_points=[{backend:cudnn,seq_len:2048,fwd_tflops:1,bwd_tflops:1}]",
+                             "hardware=cpu hardware.attn_points=[{backend:sdpa,seq_len:2048,fwd_tflops:1,"
+                             "bwd_tflops:1}]",  # no main attention figures
+                             "hardware=h100 hardware.attn_points=[{backend:cudnn,seq_len:2048,fwd_tflops:1,"
+                             "bwd_tflops:1}]",
                              "hardware=h100 hardware.attn_points=[{backend:sdpa,seq_len:0,fwd_tflops:1,bwd_tflops:1}]",
-                             "hardware=h100 hardware.attn_points=[{backend:sdpa,seq_len:32768,fwd_tflops:1,bwd_tflops:1}]",
-                             "hardware=h100 hardware.attn_points=[{backend:sdpa,seq_len:2048,fwd_tflops:0,bwd_tflops:1}]"],
+                             "hardware=h100 hardware.attn_points=[{backend:sdpa,seq_len:32768,fwd_tflops:1,"
+                             "bwd_tflops:1}]",  # the main point again
+                             "hardware=h100 hardware.attn_points=[{backend:sdpa,seq_len:2048,fwd_tflops:0,"
+                             "bwd_tflops:1}]"],
     "hardware.layer_widths": ["hardware.layer_widths=x", "hardware.layer_widths=[{model:qwen3b,width:2048}]",
                               "hardware=h100 hardware.layer_widths=[{model:qwen7b,hidden:3584}]",  # the main width
                               "hardware=h100 hardware.layer_widths=[{model:'',hidden:2048}]",

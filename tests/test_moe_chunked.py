@@ -116,7 +116,7 @@ def test_routed_block_bytes_are_what_autograd_saves(case, mode, compute_bytes):
     a = spec.arch
     params = _layer_params(spec, torch.bfloat16 if compute_bytes == 2 else torch.float32)
     x = torch.randn(B * T, a.hidden, requires_grad=True)
-    block = moe._routed_block
+    block = moe.routed_block
     if mode == "compiled":
         torch._dynamo.reset()
         block = torch.compile(block, backend="aot_eager_decomp_partition", dynamic=False)

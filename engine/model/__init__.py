@@ -185,7 +185,7 @@ class ModelSpec:
         """The lean MoE layer's hook for its balance term: records it and returns its weight (`RouterStats`)."""
         if not self.moe:
             return None
-        return lambda aux, load, tokens: self.router_stats._record(layer, tokens, aux, load)
+        return lambda aux, load, tokens: self.router_stats.record(layer, tokens, aux, load)
 
     def layer_keeping_attention(self, p, x_BTD, pos: Positions, layer: int):
         """(the lean layer's output, its `lean.KeptAttention`) for a forward without autograd whose backward will

@@ -1,5 +1,6 @@
-"""The lean dense decoder layer for long contexts: the layer's forward and backward written out in token chunks around
-the Triton attention kernel, so that nothing but q, k, v, the attention output and its gradient ever spans a whole row.
+"""The lean decoder layer (dense or MoE) for long contexts: the layer's forward and backward written out in token
+chunks around the Triton attention kernel, so that nothing but q, k, v, the attention output and its gradient ever
+spans a whole row.
 
 Why. At 512K tokens a qwen7b layer under autograd keeps, for its backward, the normed inputs, the MLP's three
 [T, 18944] intermediates and (with SDPA) K and V expanded to the query heads: 33-47 GiB of working memory, more
@@ -32,8 +33,8 @@ loss E * sum_e f_e P_e needs the whole layer's load f, which no chunk knows alon
 chunk without autograd (o_proj, norm and router only) to count the load and the probability sums, hands the
 layer's balance term to `balance` (which records it and returns its weight in the loss, `RouterStats`), and then
 back-propagates each chunk from its output gradient and, through its probability sums, the balance term's
-gradient weight * E * f_e / N^2. Every token routes as in the plain layer, so the two agree as the chunked MoE
-block does.
+gradient weight * E * f_e / N (f_e = load_e / N). Every token routes as in the plain layer, so the two agree as the
+chunked MoE block does.
 
 Exactness: every op is the plain layer's on a subset of tokens, so the forward equals the plain layer's row for row
 up to the matmuls' blocking, and weight gradients summed over chunks equal the unchunked sums to fp32 rounding (not
@@ -142,7 +143,7 @@ def moe_second_half(p: Params, x_BTD: torch.Tensor, attn_BTF: torch.Tensor, a):
     routing sums: (y [B, C, D], choices per expert [E], router probabilities summed over the chunk [E])."""
     x_BTD = dense.output_residual(p, x_BTD, attn_BTF)
     B, C, D = x_BTD.shape
-    y_ND, load, prob_sum = moe._routed_block(p, x_BTD.reshape(B * C, D), a)
+    y_ND, load, prob_sum = moe.routed_block(p, x_BTD.reshape(B * C, D), a)
     return y_ND.view(B, C, D), load, prob_sum
 
 

@@ -223,7 +223,7 @@ def experts(p: Params, y_ND: torch.Tensor, weights_Nk: torch.Tensor, chosen_Nk: 
     return out[unsort].to(out_dtype).view(N, k, -1).sum(dim=1)
 
 
-def _routed_block(p: Params, x_ND: torch.Tensor, a: MoeArch):
+def routed_block(p: Params, x_ND: torch.Tensor, a: MoeArch):
     """x + experts(norm(x)) over N tokens, with their `routing_sums`: ([N, D], load [E] int64, prob_sum [E])."""
     y_ND = dense.rms_norm(x_ND, p["post_attention_layernorm.weight"], a.eps)
     logits, weights, chosen = route(p, y_ND, a)
@@ -239,15 +239,15 @@ def decoder_layer(p: Params, x_BTD: torch.Tensor, pos: Positions, a: MoeArch,
     x_ND = x_BTD.reshape(B * T, D)
     chunk = c.mlp_chunk_tokens
     if chunk <= 0 or B * T <= chunk:
-        y_ND, load, prob_sum = _routed_block(p, x_ND, a)
+        y_ND, load, prob_sum = routed_block(p, x_ND, a)
     else:
         parts = []
         for start in range(0, B * T, chunk):
             xs = x_ND[start:start + chunk]
             if torch.is_grad_enabled():
-                parts.append(checkpoint(_routed_block, p, xs, a, use_reentrant=False, preserve_rng_state=False))
+                parts.append(checkpoint(routed_block, p, xs, a, use_reentrant=False, preserve_rng_state=False))
             else:
-                parts.append(_routed_block(p, xs, a))
+                parts.append(routed_block(p, xs, a))
         outs, loads, prob_sums = zip(*parts)
         y_ND, load, prob_sum = torch.cat(outs), torch.stack(loads).sum(0), torch.stack(prob_sums).sum(0)
     return y_ND.view(B, T, D), balance_loss(load, prob_sum, B * T), load
@@ -272,7 +272,9 @@ class RouterStats:
     def attach(self, y: torch.Tensor, aux: torch.Tensor, load: torch.Tensor, layer: int) -> torch.Tensor:
         return _AttachBalanceLoss.apply(y, aux, load, self, layer)
 
-    def _record(self, layer: int, tokens: int, aux: torch.Tensor, load: torch.Tensor) -> float:
+    def record(self, layer: int, tokens: int, aux: torch.Tensor, load: torch.Tensor) -> float:
+        """Records one layer's balance term and load over `tokens` tokens of a micro-batch's backward; returns the
+        term's weight in the loss."""
         share = tokens / ((self.step_tokens or tokens) * self.num_layers)
         term = aux.detach().double() * share
         self.aux_mean = term if self.aux_mean is None else self.aux_mean + term
@@ -301,5 +303,5 @@ class _AttachBalanceLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        weight = ctx.stats._record(ctx.layer, ctx.tokens, ctx.aux, ctx.load)
+        weight = ctx.stats.record(ctx.layer, ctx.tokens, ctx.aux, ctx.load)
         return dy, torch.full_like(ctx.aux, weight), None, None, None
