@@ -39,6 +39,8 @@ def start_banner(cfg, spec, plan, execution, run_dir, ckpt_root, start_step: int
     if step_s:
         lines.append(f"predicted: {step_s:.2f} s a step, {steps_left} steps to go, about {_duration(step_s * steps_left)}"
                      f" (bound by {plan.binding})")
+        if plan.link_bound_ratio() > 1.0:
+            lines.append(plan.link_bound_line())
     lines.append(f"schedule: lr {t.lr:g}, warm-up {t.warmup_steps} steps, cosine to {t.lr * t.min_lr_ratio:g}; "
                  + (f"validation every {t.val_every} steps" if t.val_every > 0 else
                     "validation at the start and the end" if t.val_every == 0 else "no validation"))

@@ -356,6 +356,26 @@ def test_a_run_on_the_triton_kernel_at_512k_is_timed_at_the_kernels_figures():
     assert as_triton.times_s["step"] > 1.5 * as_sdpa.times_s["step"]
 
 
+def test_a_link_bound_forward_says_how_many_more_tokens_would_hide_the_stream():
+    """gpt-oss-20b at 16K tokens a step on an H100 streams its weights several times longer than its forward
+    computes: the plan says so with the factor; 8x the tokens a step brings the factor to about 1 (the stream's
+    time stays, the compute grows) and a dense qwen7b step at 512K says nothing."""
+    def plan(over):
+        cfg = make_cfg(["experiment=bench_gptoss20b_h200", "hardware=h100", "plan=true", "train.seq_len=4096",
+                        "train.micro_batch_size=1", *over])
+        return build_plan(ModelSpec(cfg.model), cfg, gpu_gib=78.5, host_gib=125.0, on_gpu=True, check=False)
+
+    few, many = plan(["train.grad_accum=4"]), plan(["train.grad_accum=32"])
+    ratio = few.link_bound_ratio()
+    assert ratio > 4
+    assert f"the forward streams its weights {ratio:.1f}x longer than it computes" in few.table()
+    assert f"about {ratio:.1f}x the tokens a step" in few.table()
+    assert many.link_bound_ratio() == pytest.approx(ratio / 8, rel=0.05)
+    cfg = make_cfg(["experiment=bench_qwen7b_512k_h100", "hardware=h100", "plan=true"])
+    dense = build_plan(ModelSpec(cfg.model), cfg, gpu_gib=78.5, host_gib=125.0, on_gpu=True, check=False)
+    assert dense.link_bound_ratio() < 1 and "streams its weights" not in dense.table()
+
+
 def test_a_calibrated_narrower_layer_lengthens_the_plan_of_a_model_of_that_width():
     """qwen3b with a fixed placement: its layers at a calibrated 2048-wide layer's half rates take twice the
     compute of the plan at the qwen7b layer's figures, and the plan's speeds line names the width."""

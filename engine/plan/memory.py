@@ -108,7 +108,22 @@ class MemoryPlan:
             lines.append("predicted step: " + ", ".join(f"{k} {v:.3f}s" for k, v in self.times_s.items())
                          + f"; bound by {self.binding}")
             lines.append(self.speeds)
+            if self.link_bound_ratio() > 1.0:
+                lines.append(self.link_bound_line())
         return "\n".join(lines)
+
+    def link_bound_ratio(self) -> float:
+        """How many times longer the forward's weight stream (H2D) takes than its compute (0 without times): above
+        1 the forward waits on the link, as a sparse model's does at few tokens a step (all experts stream, few
+        compute)."""
+        compute_s, h2d_s = (self.times_s or {}).get("forward_compute", 0.0), (self.times_s or {}).get("forward_h2d", 0.0)
+        return h2d_s / compute_s if compute_s > 0 else 0.0
+
+    def link_bound_line(self) -> str:
+        ratio = self.link_bound_ratio()
+        return (f"the forward streams its weights {ratio:.1f}x longer than it computes: the link, not the GPU, sets its "
+                f"pace; about {ratio:.1f}x the tokens a step (train.grad_accum, train.micro_batch_size or "
+                "train.seq_len) would hide the stream behind compute, where the plan still fits")
 
 
 def process_host_bytes(hw, compile_workers: bool) -> int:
