@@ -184,6 +184,8 @@ stage attention512 'the Triton attention against the cuDNN and the default SDPA 
   'gpu_tests gpu_bench_attention_tests.log 120 tests/test_bench_attention.py tests/kernels/test_attention.py
    bench 420 bench_attention --cases qwen7b --sdpa-backends cudnn default --seq-lens 32768 131072 524288 \
      --out $OUT/attention.jsonl'
+stage groupedmm 'MoE expert compute (moe.experts, grouped matmuls alone) against dense ones of its FLOPs, 64K tokens' \
+  'bench 300 bench_grouped_mm --out $OUT/grouped_mm.jsonl'
 stage leanlayer 'one qwen7b layer'"'"'s engine step, plain (SDPA, Triton) against lean (attention recomputed, kept), 32K and 128K' \
   'gpu_tests gpu_lean_tests.log 150 tests/test_lean_layer.py
    bench 400 bench_lean_layer --seq-lens 32768 131072 --out $OUT/lean_layer.jsonl'
