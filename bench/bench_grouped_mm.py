@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.kernel_bench import ROOT, write_rows
+from bench.kernel_bench import ROOT, time_ms, write_rows
 
 MODELS = ("gptoss20b", "qwen3_30b_a3b")
 ROUTINGS = ("uniform", "skewed")
@@ -64,16 +64,15 @@ def routing_of(N: int, a, kind: str, torch, device):
     return weights.to(device), chosen.to(device), load.to(device)
 
 
-def _median_ms(fn, dry_run: bool, torch) -> float:
-    if dry_run:
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    import triton
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+def _median_ms(fn, dry_run: bool) -> float:
+    if not dry_run:
+        return time_ms(fn)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def run_case(model: str, tokens: int, routing: str, dry_run: bool) -> dict:
@@ -121,7 +120,7 @@ def run_case(model: str, tokens: int, routing: str, dry_run: bool) -> dict:
         h, o = rows_in @ dense1, act_in @ dense2
         torch.autograd.grad((h, o), [rows_in, act_in, dense1, dense2], (d1, d2))
 
-    times = {name: _median_ms(fn, dry_run, torch)
+    times = {name: _median_ms(fn, dry_run)
              for name, fn in (("experts", experts_step), ("grouped", grouped_step), ("dense", dense_step))}
     row = {"bench": "grouped_mm", "model": model, "tokens": tokens, "routing": routing, "experts": E, "top_k": k,
            "hidden": D, "expert_intermediate": I, "rows": rows_n, "max_rows_per_expert": int(load.max()),

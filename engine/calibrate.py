@@ -282,13 +282,19 @@ def _time_once_s(fn: Callable[[], None], on_device: bool) -> float:
     return time.perf_counter() - t0
 
 
-def median_s(fn: Callable[[], None], args: argparse.Namespace, on_device: bool, what: str) -> float:
-    """Median seconds of `fn` over `args.repeats` calls after `args.warmup` untimed ones (the first of which is
-    reported when it is slow: it is where torch.compile compiles)."""
+def _first_call_s(fn: Callable[[], None]) -> float:
+    """Wall seconds of one call of `fn`, its device work included: the first call, which compiles and tunes and
+    which no figure counts."""
     t0 = time.perf_counter()
     fn()
     _sync()
-    first_s = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def median_s(fn: Callable[[], None], args: argparse.Namespace, on_device: bool, what: str) -> float:
+    """Median seconds of `fn` over `args.repeats` calls after `args.warmup` untimed ones (the first of which is
+    reported when it is slow: it is where torch.compile compiles)."""
+    first_s = _first_call_s(fn)
     if first_s > 1.0:
         log(f"  {what}: first call {first_s:.1f} s (compilation, allocation)")
     for _ in range(args.warmup - 1):
@@ -301,11 +307,7 @@ def median_s_within(fn: Callable[[], None], args: argparse.Namespace, on_device:
                     budget_s: float = 10.0) -> float:
     """`median_s` for calls that may take seconds each: one untimed call (compilation, tuning), then as many
     timed ones as `budget_s` allows at the first call's pace, at least one and at most `args.repeats`."""
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    first_s = time.perf_counter() - t0
-    repeats = max(1, min(args.repeats, int(budget_s / max(first_s, 1e-6))))
+    repeats = max(1, min(args.repeats, int(budget_s / max(_first_call_s(fn), 1e-6))))
     return statistics.median(_time_once_s(fn, on_device) for _ in range(repeats))
 
 

@@ -33,12 +33,16 @@ class Progress:
                      f"({elapsed:.0f}s, about {left:.0f}s left)")
 
 
+LONG_STEP_S = 120.0  # a predicted step at least this long gets progress lines inside it
+STEP_PROGRESS_EVERY_S = 60.0  # at most one line a minute inside such a step
+
+
 class StepProgress:
     """The streaming engine's `layer_progress` hook for steps long enough to want it (the trainer installs it when
     the plan predicts a step of `LONG_STEP_S` or more): `begin(step)` before each step, then `(phase, done)` after
     each layer of a phase (forward, backward) logs at most every `every_s` seconds."""
 
-    def __init__(self, num_layers: int, log: Callable[[str], None] = print, every_s: float = 60.0):
+    def __init__(self, num_layers: int, log: Callable[[str], None] = print, every_s: float = STEP_PROGRESS_EVERY_S):
         self.num_layers, self.log, self.every_s = num_layers, log, every_s
         self.begin(0)
 
@@ -58,6 +62,3 @@ def _minutes(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m}m{s:02d}s" if m else f"{s}s"
 
-
-LONG_STEP_S = 120.0  # a predicted step at least this long gets progress lines inside it
-STEP_PROGRESS_EVERY_S = 60.0  # at most one line a minute inside such a step

@@ -150,9 +150,7 @@ def moe_second_half(p: Params, x_BTD: torch.Tensor, attn_BTF: torch.Tensor, a):
 def moe_routing(p: Params, x_BTD: torch.Tensor, attn_BTF: torch.Tensor, a):
     """The routing sums of `moe_second_half` without its experts: (choices per expert [E], probability sums [E])."""
     x_BTD = dense.output_residual(p, x_BTD, attn_BTF)
-    y_ND = dense.rms_norm(x_BTD.reshape(-1, x_BTD.shape[-1]), p["post_attention_layernorm.weight"], a.eps)
-    logits, _, chosen = moe.route(p, y_ND, a)
-    return moe.routing_sums(logits, chosen, a.experts)
+    return moe.routing(p, x_BTD.reshape(-1, x_BTD.shape[-1]), a)[3:]
 
 
 @dataclass(frozen=True)

@@ -223,11 +223,17 @@ def experts(p: Params, y_ND: torch.Tensor, weights_Nk: torch.Tensor, chosen_Nk: 
     return out[unsort].to(out_dtype).view(N, k, -1).sum(dim=1)
 
 
-def routed_block(p: Params, x_ND: torch.Tensor, a: MoeArch):
-    """x + experts(norm(x)) over N tokens, with their `routing_sums`: ([N, D], load [E] int64, prob_sum [E])."""
+def routing(p: Params, x_ND: torch.Tensor, a: MoeArch):
+    """The routed block's input side over N tokens: (norm(x) [N, D], routing weights [N, k], chosen experts [N, k],
+    load [E] int64, prob_sum [E]) (`route`, `routing_sums`)."""
     y_ND = dense.rms_norm(x_ND, p["post_attention_layernorm.weight"], a.eps)
     logits, weights, chosen = route(p, y_ND, a)
-    load, prob_sum = routing_sums(logits, chosen, a.experts)
+    return (y_ND, weights, chosen, *routing_sums(logits, chosen, a.experts))
+
+
+def routed_block(p: Params, x_ND: torch.Tensor, a: MoeArch):
+    """x + experts(norm(x)) over N tokens, with their `routing_sums`: ([N, D], load [E] int64, prob_sum [E])."""
+    y_ND, weights, chosen, load, prob_sum = routing(p, x_ND, a)
     return x_ND + experts(p, y_ND, weights, chosen, load, a, x_ND.dtype), load, prob_sum
 
 

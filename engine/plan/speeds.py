@@ -84,26 +84,19 @@ def attention_rates(hw, backend: str, seq_len: int) -> Tuple[Tuple[float, float]
     points, or the main backend's where it has none (said in the note), give rates interpolated linearly in
     log(length) between the two nearest lengths, the nearest point's outside them; `seq_len` 0 takes the main
     figures."""
-    main = (hw.attn_backend, hw.attn_seq_len, float(hw.attn_fwd_tflops), float(hw.attn_bwd_tflops))
-    points = [main] + [(p.backend, p.seq_len, float(p.fwd_tflops), float(p.bwd_tflops)) for p in hw.attn_points]
+    main = (hw.attn_backend, hw.attn_seq_len, (float(hw.attn_fwd_tflops), float(hw.attn_bwd_tflops)))
+    points = [main] + [(p.backend, p.seq_len, (float(p.fwd_tflops), float(p.bwd_tflops))) for p in hw.attn_points]
     if seq_len < 1:
-        return main[2:], f"attention at the figures of {main[0]} at {main[1]} tokens"
-    own = sorted(p[1:] for p in points if p[0] == backend)
+        return main[2], f"attention at the figures of {main[0]} at {main[1]} tokens"
     source, note = backend, ""
-    if not own:
-        own = sorted(p[1:] for p in points if p[0] == main[0])
+    if not any(p[0] == backend for p in points):
         source, note = main[0], f" (the profile has no {backend} figures: this run's attention is timed as {main[0]})"
-    below = [p for p in own if p[0] <= seq_len]
-    above = [p for p in own if p[0] >= seq_len]
-    if not below or not above:
-        n, f, b = above[0] if above else below[-1]
-        return (f, b), f"attention at the figures of {source} at {n} tokens, the nearest measured length{note}"
-    (n0, f0, b0), (n1, f1, b1) = below[-1], above[0]
-    if n0 == n1:
-        return (f0, b0), f"attention at the figures of {source} at {n0} tokens{note}"
-    t = math.log(seq_len / n0) / math.log(n1 / n0)
-    return ((f0 + t * (f1 - f0), b0 + t * (b1 - b0)),
-            f"attention at {source}'s figures interpolated for {seq_len} tokens between {n0} and {n1}{note}")
+    rates, lo, hi = _on_log_axis(sorted(p[1:] for p in points if p[0] == source), seq_len)
+    if lo is not hi:
+        return rates, (f"attention at {source}'s figures interpolated for {seq_len} tokens between {lo[0]} and "
+                       f"{hi[0]}{note}")
+    nearest = "" if lo[0] == seq_len else ", the nearest measured length"
+    return rates, f"attention at the figures of {source} at {lo[0]} tokens{nearest}{note}"
 
 
 def width_rates(hw, mode: str, hidden: int) -> Tuple[Tuple[float, float, float], str]:
@@ -117,18 +110,26 @@ def width_rates(hw, mode: str, hidden: int) -> Tuple[Tuple[float, float, float],
     if hidden < 1 or not points or hw.layer_hidden < 1 or main[0] <= 0:
         return main, ""
     points = sorted(points + [(hw.layer_hidden, hw.layer_model, main)])
+    rates, (h0, m0, _), (h1, m1, _) = _on_log_axis(points, hidden)
+    if h0 != h1:
+        return rates, (f"layers at rates interpolated for width {hidden} between calibrated widths {h0} ({m0}) and "
+                       f"{h1} ({m1})")
+    if h0 == hidden:
+        return rates, f"layers at the figures of calibrated width {h0} ({m0})"
     named = ", ".join(f"{h} ({m})" for h, m, _ in points)
-    below = [p for p in points if p[0] <= hidden]
-    above = [p for p in points if p[0] >= hidden]
-    if not below or not above:
-        h, m, rates = above[0] if above else below[-1]
-        return rates, (f"layers at the figures of the nearest calibrated width, {h} ({m}); this model's {hidden} is "
-                       f"outside the calibrated widths {named}")
-    (h0, m0, r0), (h1, m1, r1) = below[-1], above[0]
-    if h0 == h1:
-        return r0, f"layers at the figures of calibrated width {h0} ({m0})"
-    t = math.log(hidden / h0) / math.log(h1 / h0)
-    rates = tuple(a + t * (b - a) for a, b in zip(r0, r1))
-    return rates, (f"layers at rates interpolated for width {hidden} between calibrated widths {h0} ({m0}) and "
-                   f"{h1} ({m1})")
+    return rates, (f"layers at the figures of the nearest calibrated width, {h0} ({m0}); this model's {hidden} is "
+                   f"outside the calibrated widths {named}")
 
+
+def _on_log_axis(points, x: float):
+    """(rates at x, the point below, the point above) from points (position, ..., rates tuple) sorted by position:
+    the rates interpolated linearly in log(position) between the nearest point on each side; at a point, or outside
+    them, that point's rates, with that one point as both neighbours."""
+    below = [p for p in points if p[0] <= x]
+    above = [p for p in points if p[0] >= x]
+    if not below or not above or below[-1][0] == above[0][0]:
+        point = above[0] if not below else below[-1]
+        return point[-1], point, point
+    lo, hi = below[-1], above[0]
+    t = math.log(x / lo[0]) / math.log(hi[0] / lo[0])
+    return tuple(a + t * (b - a) for a, b in zip(lo[-1], hi[-1])), lo, hi
