@@ -109,7 +109,7 @@ def run_case(model: str, tokens: int, routing: str, dry_run: bool) -> dict:
 
     def experts_step():
         with torch.autocast(device, dtype=torch.bfloat16, enabled=not dry_run):
-            out = moe.experts(p, y, weights, chosen, load, a, dtype)
+            out = moe.experts(p, y, weights, moe.sort_choices(chosen, load), a, dtype)
         torch.autograd.grad(out, [y, *p.values()], dy)
 
     def grouped_step():

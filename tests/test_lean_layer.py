@@ -127,9 +127,14 @@ def test_stream_equals_reference_with_the_lean_layer(monkeypatch, kept_attention
     attention output; the streaming engine's recomputed layers run attention's forward again in their backward (same
     kernel, same bits), or with engine.kept_attention_layers take the output their forward kept."""
     kept_forwards = []
-    original = ModelSpec.layer_keeping_attention
-    monkeypatch.setattr(ModelSpec, "layer_keeping_attention",
-                        lambda self, *a: (kept_forwards.append(a[-1]), original(self, *a))[1])
+    original = ModelSpec.forward_keeping
+
+    def forward_keeping(self, p, x, pos, layer, attention=False):
+        if attention:
+            kept_forwards.append(layer)
+        return original(self, p, x, pos, layer, attention)
+
+    monkeypatch.setattr(ModelSpec, "forward_keeping", forward_keeping)
     over = [*WIDE_HEADS, "train.attention=triton", "train.lean_layer=on", "train.mlp_chunk_tokens=20",
             "train.grad_accum=1", "model.num_hidden_layers=2"]  # the interpreted kernel is slow: a small step
     rec_r, w_r, m_r, _ = train("reference", over, steps=2)

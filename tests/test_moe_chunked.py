@@ -55,7 +55,7 @@ def test_chunked_layer_matches_unchunked(case, chunk):
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-5 * g_ref[name].abs().max().item(),
                                    msg=lambda m: f"{name}: {m}")
     with torch.no_grad():
-        y_nograd, aux, load_nograd = moe.decoder_layer(params, x, spec.positions(T, "cpu"), spec.arch, spec.compute,
+        y_nograd, aux, load_nograd, _ = moe.decoder_layer(params, x, spec.positions(T, "cpu"), spec.arch, spec.compute,
                                                        spec.layer_windows[0])
     assert torch.equal(y_nograd, y) and torch.equal(load_nograd, load)
     assert aux.item() == pytest.approx(stats["balance_loss"], rel=1e-6)

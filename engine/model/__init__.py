@@ -149,6 +149,8 @@ class ModelSpec:
             inductor_config.compile_threads = inductor_config.decide_compile_threads()
         self._layer_fn = torch.compile(self._layer_fn, dynamic=False)
         self._layer_to_down_fn = torch.compile(self._layer_to_down_fn, dynamic=False)
+        self._moe_to_down_fn = torch.compile(self._moe_to_down_fn, dynamic=False)
+        self._moe_down_backward_fn = torch.compile(self._moe_down_backward_fn, dynamic=False)
         self._lean_fns = lean.ChunkFns.of(self.moe, lambda fn: torch.compile(fn, dynamic=False))
         self._loss_chunk_fn = torch.compile(dense.chunk_loss_sum, dynamic=False)
 
@@ -165,6 +167,8 @@ class ModelSpec:
     compute = dense.LayerCompute()
     _loss_chunk_fn = staticmethod(dense.chunk_loss_sum)
     _layer_to_down_fn = staticmethod(dense.decoder_layer_to_down_proj)
+    _moe_to_down_fn = staticmethod(moe.layer_to_down_proj)
+    _moe_down_backward_fn = staticmethod(moe.weighted_down_backward)
     fused_loss = False
 
     # Templates, bound to this architecture.
@@ -178,7 +182,7 @@ class ModelSpec:
                                    self._lean_fns, self._balance(layer))
         if not self.moe:
             return self._layer_fn(p, x_BTD, pos, self.arch, self.compute)
-        y, aux, load = self._layer_fn(p, x_BTD, pos, self.arch, self.compute, self.layer_windows[layer])
+        y, aux, load, _ = self._layer_fn(p, x_BTD, pos, self.arch, self.compute, self.layer_windows[layer])
         return self.router_stats.attach(y, aux, load, layer)
 
     def _balance(self, layer: int) -> Optional[lean.Balance]:
@@ -187,29 +191,39 @@ class ModelSpec:
             return None
         return lambda aux, load, tokens: self.router_stats.record(layer, tokens, aux, load)
 
-    def layer_keeping_attention(self, p, x_BTD, pos: Positions, layer: int):
-        """(the lean layer's output, its `lean.KeptAttention`) for a forward without autograd whose backward will
-        reuse the attention output (`layer_grads(kept=...)`)."""
-        return lean.lean_forward(p, x_BTD, pos, self.arch, self.compute.mlp_chunk_tokens, self.layer_windows[layer],
-                                 keep=True, fns=self._lean_fns)
+    def forward_keeping(self, p, x_BTD, pos: Positions, layer: int, attention: bool = False):
+        """(the layer's output, what its recompute will reuse or None) for a forward without autograd whose
+        backward recomputes the layer (`layer_grads(kept=...)`): the lean layer's attention output when `attention`
+        (`lean.KeptAttention`), a MoE layer's routing (`moe.KeptRouting`, unless its routed block is chunked)."""
+        if self.compute.lean:
+            if not attention:
+                return self.layer(p, x_BTD, pos, layer), None
+            return lean.lean_forward(p, x_BTD, pos, self.arch, self.compute.mlp_chunk_tokens,
+                                     self.layer_windows[layer], keep=True, fns=self._lean_fns)
+        if not self.moe:
+            return self.layer(p, x_BTD, pos, layer), None
+        y, _, _, routing = self._layer_fn(p, x_BTD, pos, self.arch, self.compute, self.layer_windows[layer])
+        return y, routing
 
     def recompute_stops_before_down_proj(self, chunked_mlp: bool, lean_layer: bool = False) -> bool:
-        """Whether `layer_grads` leaves the down projection out of a layer's recompute: a dense layer with an
-        unchunked MLP (a chunked one checkpoints whole MLP blocks; a MoE layer's routing weights need the expert
-        outputs; the lean layer rebuilds its second half chunk by chunk)."""
-        return not (self.moe or chunked_mlp or lean_layer)
+        """Whether `layer_grads` leaves the down projection out of a layer's recompute: a dense or MoE layer with an
+        unchunked MLP or routed block (a chunked one checkpoints whole blocks; the lean layer rebuilds its second
+        half chunk by chunk)."""
+        return not (chunked_mlp or lean_layer)
 
     def recompute_skipped_flops_per_token(self, chunked_mlp: bool, lean_layer: bool = False) -> int:
         """Forward FLOPs per token that `layer_grads` leaves out of a layer's recompute."""
-        skips = self.recompute_stops_before_down_proj(chunked_mlp, lean_layer)
-        return dense.down_proj_flops_per_token(self.arch) if skips else 0
+        if not self.recompute_stops_before_down_proj(chunked_mlp, lean_layer):
+            return 0
+        return (moe if self.moe else dense).down_proj_flops_per_token(self.arch)
 
-    def layer_grads(self, p, x_in, dy, pos: Positions, layer: int, kept: Optional[lean.KeptAttention] = None):
+    def layer_grads(self, p, x_in, dy, pos: Positions, layer: int, kept=None):
         """(d x_in, {name: gradient} for every tensor of p) of decoder layer `layer` at x_in (a leaf that requires
-        grad) for the output gradient dy: the forward recomputed with autograd, then back-propagated. A dense layer
-        with an unchunked MLP recomputes up to the down projection only (`dense.decoder_layer_to_down_proj`) and
-        takes that matmul's gradients by hand, equal to autograd's; a chunked MLP's chunks and a MoE layer recompute
-        in full. The lean layer runs its own backward (`lean.lean_backward`, from the forward's `kept` attention
+        grad) for the output gradient dy: the forward recomputed with autograd, then back-propagated. A layer with
+        an unchunked MLP recomputes up to the down projection only (`dense.decoder_layer_to_down_proj`,
+        `moe.layer_to_down_proj`) and takes that matmul's gradients by hand, equal to autograd's; a MoE layer
+        reuses the forward's routing when `kept` has it (`forward_keeping`). A chunked MLP's chunks recompute in
+        full. The lean layer runs its own backward (`lean.lean_backward`, from the forward's `kept` attention
         output when given), writing d x over dy. Call under the run's autocast."""
         if self.compute.lean:
             return lean.lean_backward(p, x_in, dy, pos, self.arch, self.compute.mlp_chunk_tokens,
@@ -218,6 +232,9 @@ class ModelSpec:
         B, T, _ = x_in.shape
         if not self.recompute_stops_before_down_proj(dense.mlp_chunked(self.compute.mlp_chunk_tokens, B * T)):
             return backprop(self.layer(p, x_in, pos, layer), x_in, p, dy)
+        if self.moe:
+            return moe.layer_backward(p, x_in, dy, pos, self.arch, self.compute, self.layer_windows[layer], kept,
+                                      self._balance(layer), self._moe_to_down_fn, self._moe_down_backward_fn)
         x2, act = self._layer_to_down_fn(p, x_in, pos, self.arch, self.compute)
         with torch.no_grad():
             d_act, d_down = dense.down_proj_backward(dy, act, p[dense.DOWN_PROJ])

@@ -143,14 +143,15 @@ def moe_second_half(p: Params, x_BTD: torch.Tensor, attn_BTF: torch.Tensor, a):
     routing sums: (y [B, C, D], choices per expert [E], router probabilities summed over the chunk [E])."""
     x_BTD = dense.output_residual(p, x_BTD, attn_BTF)
     B, C, D = x_BTD.shape
-    y_ND, load, prob_sum = moe.routed_block(p, x_BTD.reshape(B * C, D), a)
-    return y_ND.view(B, C, D), load, prob_sum
+    y_ND, rows, prob_sum = moe.routed_block(p, x_BTD.reshape(B * C, D), a)
+    return y_ND.view(B, C, D), rows.load, prob_sum
 
 
 def moe_routing(p: Params, x_BTD: torch.Tensor, attn_BTF: torch.Tensor, a):
     """The routing sums of `moe_second_half` without its experts: (choices per expert [E], probability sums [E])."""
     x_BTD = dense.output_residual(p, x_BTD, attn_BTF)
-    return moe.routing(p, x_BTD.reshape(-1, x_BTD.shape[-1]), a)[3:]
+    _, _, rows, prob_sum = moe.routing(p, x_BTD.reshape(-1, x_BTD.shape[-1]), a)
+    return rows.load, prob_sum
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ def lean_forward(p: Params, x_BTD: torch.Tensor, pos: Positions, a, chunk_tokens
     return y, (KeptAttention(out, lse) if keep else None)
 
 
-Balance = Callable[[torch.Tensor, torch.Tensor, int], float]  # (balance term, load [E], tokens) -> its loss weight
+Balance = moe.Balance
 
 
 def _balance_grad(p: Params, x_BTD: torch.Tensor, out_BHTD: torch.Tensor, a, chunk_tokens: int,

@@ -14,7 +14,12 @@ sink logit per head and a 128-key sliding window on every other layer) followed 
   interleaved in `gate_up_proj` [E, D, 2I] and `down_proj` [E, I, D], applied as x @ W, each with a bias.
 - the k expert outputs of a token are weighted by its routing weights, put back in token order (a gather by the
   inverse permutation, which keeps only the index for the backward, where index_add_ would keep its [N*k, D]
-  source), summed over the k in the residual stream's dtype and added to it.
+  source), summed over the k in the residual stream's dtype and added to it. The down projection and the
+  weighting are one autograd Function (`weighted_down`) whose backward needs no expert outputs: a routing weight's
+  gradient <d out, act @ W2 + b> is taken as <d out @ W2^T, act> + <d out, b>, from the matmul d act needs anyway.
+  So autograd keeps no [N*k, D] output rows, and the streaming engine's recompute (`layer_backward`) stops before
+  the down projection, reusing the routing the forward kept (`KeptRouting`): no top-k, no sort, and the same
+  experts as the forward even where two compiled graphs round a router logit differently.
 
 Names and shapes are those of transformers' in-memory modules (v5), so `logits` and gradients compare directly;
 engine/checkpoint/hf.py maps them to the on-disk tensors (per-expert tensors for Qwen3-MoE, MXFP4 for gpt-oss).
@@ -35,7 +40,7 @@ k rows of D. `tflops` and `mfu` count the active parameters (engine/metrics.py).
 
 **Token chunks.** The routed block's backward keeps, per token, k gathered rows of D and k expert intermediates of
 3I (more in eager mode; `activation_bytes_per_token` counts them): for Qwen3-30B-A3B (k=8, D=2048, I=768) about
-105 KiB per token and layer compiled in bf16, 52 GiB at 512K tokens. With `LayerCompute.mlp_chunk_tokens = C` (as
+73 KiB per token and layer compiled in bf16, 36 GiB at 512K tokens. With `LayerCompute.mlp_chunk_tokens = C` (as
 for the dense MLP, engine/model/dense.py) the post-attention norm, routing and experts run on C tokens at a time,
 each chunk a non-reentrant checkpoint when autograd is on: the backward keeps only the chunk inputs and rebuilds
 one chunk's routing and experts at a time, for one more forward of the block (+1/3 of its FLOPs). Routing is per
@@ -48,7 +53,7 @@ over all chunks, so its gradient reaches every chunk's probabilities through tha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +65,7 @@ from engine.model.layout import ParamSpec
 from engine.model.rope import Positions
 
 Params = Dict[str, torch.Tensor]
+Balance = Callable[[torch.Tensor, torch.Tensor, int], float]  # (balance term, load [E], tokens) -> its loss weight
 
 GPT_OSS_SWIGLU_ALPHA = 1.702  # the sigmoid's slope in gpt-oss's expert activation (fixed in its reference code)
 GROUPED_MM_ALIGN_ELEMS = 8  # grouped_mm wants row strides that are multiples of 16 bytes (8 bf16 elements)
@@ -122,17 +128,25 @@ def router_weight_name(a: MoeArch) -> str:
     return "mlp.router.weight" if a.gpt_oss else "mlp.gate.weight"
 
 
-def route(p: Params, y_ND: torch.Tensor, a: MoeArch):
-    """(router logits [N, E], routing weights [N, k], chosen experts [N, k]) as transformers computes them."""
+def route(p: Params, y_ND: torch.Tensor, a: MoeArch, chosen_Nk: Optional[torch.Tensor] = None):
+    """(router logits [N, E], routing weights [N, k], chosen experts [N, k]) as transformers computes them. Given
+    `chosen_Nk` (the forward's choices, `KeptRouting`), the weights are those experts' instead of the top k: the
+    same values (top-k returns the selected entries) without the selection, and the same gradient."""
     logits = F.linear(y_ND, p[router_weight_name(a)], p.get("mlp.router.bias"))
     if a.gpt_oss:
-        top, chosen = torch.topk(logits, a.top_k, dim=-1)
-        return logits, torch.softmax(top, dim=1, dtype=top.dtype), chosen
+        if chosen_Nk is None:
+            top, chosen_Nk = torch.topk(logits, a.top_k, dim=-1)
+        else:
+            top = logits.gather(1, chosen_Nk)
+        return logits, torch.softmax(top, dim=1, dtype=top.dtype), chosen_Nk
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, chosen = torch.topk(probs, a.top_k, dim=-1)
+    if chosen_Nk is None:
+        top, chosen_Nk = torch.topk(probs, a.top_k, dim=-1)
+    else:
+        top = probs.gather(1, chosen_Nk)
     if a.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
-    return logits, top.to(logits.dtype), chosen
+    return logits, top.to(logits.dtype), chosen_Nk
 
 
 def routing_sums(logits_NE: torch.Tensor, chosen_Nk: torch.Tensor, experts: int):
@@ -160,29 +174,31 @@ def activation_bytes_per_token(a: MoeArch, compute_bytes: int, compiled: bool = 
     Eager is what saved-tensor hooks list on the CPU, under bf16 autocast and in fp32 (tests/test_moe_chunked.py).
     Compiled is what torch.compile's min-cut partitioner keeps, counted on the CPU under bf16 autocast (inductor on
     the GPU partitions the same way, but may choose to rematerialise differently): it recomputes the elementwise
-    work (SiLU, gpt-oss's clamps and sigmoid, the softmax over all experts) instead of keeping it."""
+    work (SiLU, gpt-oss's clamps and sigmoid, the softmax over all experts) instead of keeping it. Neither keeps
+    the expert outputs ([k, D] a token): the down projection's backward reads only its input
+    (`weighted_down_backward`)."""
     fp32, index = 4, 8
     cb, D, E, k, I = compute_bytes, a.hidden, a.experts, a.top_k, a.expert_intermediate
     kept = (fp32  # the norm's reciprocal
             + cb * D  # the router's input: the normed input (under autocast, F.linear's copy of it)
             + index * k  # the chosen experts
-            + index * k * (4 if a.gpt_oss else 3)  # per expert-sorted row: token, sort position, place back (expert)
+            # per expert-sorted row: token, sort position, place back, expert (compiled Qwen3-MoE recomputes the
+            # expert from the load; gpt-oss's bias gathers read it)
+            + index * k * (3 if compiled and not a.gpt_oss else 4)
             + cb * k * D + cb * k)  # the gathered rows and their routing weights
     if compiled:
         if a.gpt_oss:
             return kept + (cb * E + 2 * fp32 + cb * k  # router logits, two softmax statistics, top-k softmax
-                           + cb * k * 3 * I  # gate/up before the bias, the SwiGLU product
-                           + fp32 * k * D)  # the expert outputs plus their (fp32) bias
+                           + cb * k * 3 * I)  # gate/up before the bias, the SwiGLU product
         return kept + (fp32 * E + (fp32 * k if a.norm_topk_prob else 0)  # routing softmax, top-k probabilities
-                       + cb * k * 3 * I + cb * k * D)  # gate/up, the SwiGLU product, the expert outputs
+                       + cb * k * 3 * I)  # gate/up, the SwiGLU product
     kept += fp32 * D + fp32 * E  # the norm's fp32 output, the softmax of the routing sums
     if a.gpt_oss:
         return kept + (cb * k  # top-k softmax
                        + fp32 * k * 6 * I  # (fp32 bias) gate/up; clamped gate, its sigmoid, their product, up + 1
-                       + cb * k * I  # the SwiGLU product's cast
-                       + fp32 * k * D)  # the expert outputs plus their bias
+                       + cb * k * I)  # the SwiGLU product's cast
     return kept + (fp32 * E + (fp32 * (k + 1) if a.norm_topk_prob else 0)  # routing softmax, renormalised top-k, sum
-                   + cb * k * 4 * I + cb * k * D)  # gate/up, SiLU's output, the SwiGLU product, the expert outputs
+                   + cb * k * 4 * I)  # gate/up, SiLU's output, the SwiGLU product
 
 
 def _activation(h: torch.Tensor, a: MoeArch) -> torch.Tensor:
@@ -195,68 +211,245 @@ def _activation(h: torch.Tensor, a: MoeArch) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_SWIGLU_ALPHA))
 
 
-def experts(p: Params, y_ND: torch.Tensor, weights_Nk: torch.Tensor, chosen_Nk: torch.Tensor, load_E: torch.Tensor,
-            a: MoeArch, out_dtype: torch.dtype) -> torch.Tensor:
-    """The weighted sum of each token's k expert outputs, [N, D] in out_dtype (the residual stream's). `load_E`:
-    the choices per expert (`routing_sums`), the sizes of the grouped matmuls' groups."""
-    N, k = chosen_Nk.shape
-    flat = chosen_Nk.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token = order // k
-    expert_of_row = flat[order]
-    offs = load_E.cumsum(0).to(torch.int32)
-    dtype = autocast_dtype(y_ND.device.type, y_ND.dtype)
-    w1, w2 = p["mlp.experts.gate_up_proj"].to(dtype), p["mlp.experts.down_proj"].to(dtype)
+class KeptRouting(NamedTuple):
+    """One layer's routing from its forward, kept for the backward's recompute (`layer_to_down_proj`), which then
+    runs no top-k and no sort and routes exactly as the forward did (a recompute in another compiled graph could
+    otherwise break a near-tie the other way). 8 B per (token, slot) choice: 32 B a token for gpt-oss (k=4), 2 MiB
+    per layer and micro-batch of 64K tokens."""
+    order: torch.Tensor  # [N*k] int64: the (token * k + slot) choice in each expert-sorted row
+    load: torch.Tensor  # [E] int64: rows per expert, the grouped matmuls' group sizes
+
+    def nbytes(self) -> int:
+        return self.order.nbytes + self.load.nbytes
+
+
+def kept_routing_bytes(a: MoeArch, tokens: int) -> int:
+    """The bytes of one layer's `KeptRouting` over `tokens` tokens."""
+    return 8 * (a.top_k * tokens + a.experts)
+
+
+class ExpertRows(NamedTuple):
+    """The expert-sorted row layout of N tokens' k choices (R = N*k rows), which the grouped matmuls run on."""
+    order: torch.Tensor  # [R] int64: the choice (token * k + slot) in each row
+    load: torch.Tensor  # [E] int64: rows per expert
+    token: torch.Tensor  # [R] int64: the token of each row
+    expert_of_row: torch.Tensor  # [R] int64
+    offs: torch.Tensor  # [E] int32: the end row of each expert's group
+    unsort: torch.Tensor  # [R] int64: the row of each choice (the inverse of order)
+
+
+def sort_choices(chosen_Nk: torch.Tensor, load_E: torch.Tensor) -> ExpertRows:
+    """The rows of the choices `chosen_Nk` ([N, k] experts), by a stable sort on the expert."""
+    return expert_rows(KeptRouting(torch.argsort(chosen_Nk.reshape(-1), stable=True), load_E), chosen_Nk.shape[1])
+
+
+def expert_rows(kept: KeptRouting, k: int) -> ExpertRows:
+    """The full row layout from its kept part: no sort (rows are grouped by expert, `load` rows each)."""
+    order, load = kept
+    R = order.numel()
+    expert_of_row = torch.repeat_interleave(torch.arange(load.numel(), device=load.device), load, output_size=R)
+    unsort = torch.empty_like(order).scatter_(0, order, torch.arange(R, device=order.device))
+    return ExpertRows(order, load, order // k, expert_of_row, load.cumsum(0).to(torch.int32), unsort)
+
+
+def chosen_experts(rows: ExpertRows, k: int) -> torch.Tensor:
+    """[N, k] the expert of each (token, slot) choice."""
+    return rows.expert_of_row[rows.unsort].view(-1, k)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return autocast_dtype(t.device.type, t.dtype)
+
+
+def expert_activations(p: Params, y_ND: torch.Tensor, rows: ExpertRows, a: MoeArch) -> torch.Tensor:
+    """[R, I] the input of the down projection in each row: the gate/up grouped matmul on the gathered tokens, its
+    bias (gpt-oss) and the expert activation, in the compute dtype."""
+    dtype = _compute_dtype(y_ND)
+    w1 = p["mlp.experts.gate_up_proj"].to(dtype)
     if not a.gpt_oss:  # stored as [E, out, in] (x @ W^T)
-        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
-    rows = y_ND.to(dtype)[token]
-    h = grouped_mm(rows, w1, offs=offs)
+        w1 = w1.transpose(1, 2)
+    h = grouped_mm(y_ND.to(dtype)[rows.token], w1, offs=rows.offs)
     if a.gpt_oss:
-        h = h + p["mlp.experts.gate_up_proj_bias"][expert_of_row]
-    out = grouped_mm(_activation(h, a).to(dtype), w2, offs=offs)
-    if a.gpt_oss:
-        out = out + p["mlp.experts.down_proj_bias"][expert_of_row]
-    out = out * weights_Nk.reshape(-1)[order].unsqueeze(-1)
-    # back to the (token, slot) order and summed over the k slots: unlike index_add_, whose backward keeps its
-    # [N*k, D] source, a gather and a sum keep only the permutation
-    unsort = torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=order.device))
-    return out[unsort].to(out_dtype).view(N, k, -1).sum(dim=1)
+        h = h + p["mlp.experts.gate_up_proj_bias"][rows.expert_of_row]
+    return _activation(h, a).to(dtype)
 
 
-def routing(p: Params, x_ND: torch.Tensor, a: MoeArch):
-    """The routed block's input side over N tokens: (norm(x) [N, D], routing weights [N, k], chosen experts [N, k],
-    load [E] int64, prob_sum [E]) (`route`, `routing_sums`)."""
+def _down_weight(p: Params, a: MoeArch, dtype: torch.dtype) -> torch.Tensor:
+    """The down projections as [E, I, D] (x @ W) in `dtype`."""
+    w2 = p["mlp.experts.down_proj"].to(dtype)
+    return w2 if a.gpt_oss else w2.transpose(1, 2)
+
+
+def weighted_down(p: Params, act_RI: torch.Tensor, weights_R: torch.Tensor, rows: ExpertRows,
+                  a: MoeArch) -> torch.Tensor:
+    """[R, D] each row's expert output (down projection and its bias) times its routing weight."""
+    return _WeightedDown.apply(act_RI, _down_weight(p, a, act_RI.dtype), p.get("mlp.experts.down_proj_bias"),
+                               weights_R, rows.offs, rows.expert_of_row)
+
+
+def down_output_dtype(act_RI: torch.Tensor, bias_ED: Optional[torch.Tensor], weights_R: torch.Tensor):
+    """The dtype of `weighted_down`'s rows (a gpt-oss fp32 bias promotes them)."""
+    dtype = act_RI.dtype if bias_ED is None else torch.promote_types(act_RI.dtype, bias_ED.dtype)
+    return torch.promote_types(dtype, weights_R.dtype)
+
+
+def weighted_down_backward(d_out_RD: torch.Tensor, act_RI: torch.Tensor, w2_EID: torch.Tensor,
+                           bias_ED: Optional[torch.Tensor], weights_R: torch.Tensor, offs: torch.Tensor,
+                           expert_of_row: torch.Tensor):
+    """(d act, d W2, d bias or None, d weights) of out = w * (act @ W2_e + b_e) per row, without out itself: the
+    routing weight's gradient <d out, act @ W2 + b> is taken as <d out @ W2^T, act> + <d out, b>, and d out @ W2^T
+    is also d act's matmul (before the weighting). So neither the forward nor the backward needs the product
+    act @ W2: autograd keeps no [R, D] output rows, and a recompute can stop before the down projection
+    (`layer_to_down_proj`), as the dense layer's does. Two grouped matmuls, as autograd's backward of the
+    product; d act is rounded twice in bf16 (the matmul's output, then the weighting) instead of once."""
+    dtype = act_RI.dtype
+    weights_R1 = weights_R.unsqueeze(-1)
+    g_RI = grouped_mm(d_out_RD.to(dtype), w2_EID.transpose(1, 2), offs=offs)
+    d_act = (g_RI * weights_R1).to(dtype)
+    d_weights = (g_RI * act_RI).sum(dim=-1, dtype=torch.float32)
+    d_h = (d_out_RD * weights_R1).to(dtype)
+    if w2_EID.transpose(1, 2).is_contiguous():  # stored [E, D, I] (Qwen3-MoE): its gradient in that layout
+        d_w2 = grouped_mm(d_h.t(), act_RI, offs=offs).transpose(1, 2)
+    else:
+        d_w2 = grouped_mm(act_RI.t(), d_h, offs=offs)
+    d_bias = None
+    if bias_ED is not None:  # <d out, b_e> for each row: one [R, E] product in fp32, then the row's own expert's
+        with torch.autocast(d_out_RD.device.type, enabled=False):
+            d_out_bias_RE = d_out_RD.float() @ bias_ED.float().t()
+        d_weights = d_weights + d_out_bias_RE.gather(1, expert_of_row.unsqueeze(1))[:, 0]
+        d_bias = torch.zeros_like(bias_ED).index_add_(0, expert_of_row, (d_out_RD * weights_R1).to(bias_ED.dtype))
+    return d_act, d_w2, d_bias, d_weights.to(weights_R.dtype)
+
+
+class _WeightedDown(torch.autograd.Function):
+    """`weighted_down` under autograd, keeping only its inputs for `weighted_down_backward`."""
+
+    @staticmethod
+    def forward(ctx, act_RI, w2_EID, bias_ED, weights_R, offs, expert_of_row):
+        out = grouped_mm(act_RI, w2_EID, offs=offs)
+        if bias_ED is not None:
+            out = out + bias_ED[expert_of_row]
+        ctx.save_for_backward(act_RI, w2_EID, bias_ED, weights_R, offs, expert_of_row)
+        return out * weights_R.unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, d_out_RD):
+        return (*weighted_down_backward(d_out_RD, *ctx.saved_tensors), None, None)
+
+
+def combine(out_RD: torch.Tensor, rows: ExpertRows, k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """[N, D] in out_dtype: the rows back in (token, slot) order, summed over the k slots. Unlike index_add_,
+    whose backward keeps its [R, D] source, a gather and a sum keep only the permutation."""
+    return out_RD[rows.unsort].to(out_dtype).view(-1, k, out_RD.shape[-1]).sum(dim=1)
+
+
+def experts(p: Params, y_ND: torch.Tensor, weights_Nk: torch.Tensor, rows: ExpertRows, a: MoeArch,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """The weighted sum of each token's k expert outputs, [N, D] in out_dtype (the residual stream's)."""
+    act = expert_activations(p, y_ND, rows, a)
+    return combine(weighted_down(p, act, weights_Nk.reshape(-1)[rows.order], rows, a), rows, a.top_k, out_dtype)
+
+
+def routing(p: Params, x_ND: torch.Tensor, a: MoeArch, kept: Optional[KeptRouting] = None):
+    """The routed block's input side over N tokens: (norm(x) [N, D], routing weights [N, k], `ExpertRows`,
+    router probabilities summed over the tokens [E]) (`route`, `routing_sums`). Given `kept`, the forward's
+    routing is reused: no top-k, no sort."""
     y_ND = dense.rms_norm(x_ND, p["post_attention_layernorm.weight"], a.eps)
-    logits, weights, chosen = route(p, y_ND, a)
-    return (y_ND, weights, chosen, *routing_sums(logits, chosen, a.experts))
+    rows = None if kept is None else expert_rows(kept, a.top_k)
+    logits, weights, chosen = route(p, y_ND, a, None if rows is None else chosen_experts(rows, a.top_k))
+    load, prob_sum = routing_sums(logits, chosen, a.experts)
+    return y_ND, weights, rows if rows is not None else sort_choices(chosen, load), prob_sum
 
 
 def routed_block(p: Params, x_ND: torch.Tensor, a: MoeArch):
-    """x + experts(norm(x)) over N tokens, with their `routing_sums`: ([N, D], load [E] int64, prob_sum [E])."""
-    y_ND, weights, chosen, load, prob_sum = routing(p, x_ND, a)
-    return x_ND + experts(p, y_ND, weights, chosen, load, a, x_ND.dtype), load, prob_sum
+    """x + experts(norm(x)) over N tokens, with their routing: ([N, D], ExpertRows, prob_sum [E])."""
+    y_ND, weights, rows, prob_sum = routing(p, x_ND, a)
+    return x_ND + experts(p, y_ND, weights, rows, a, x_ND.dtype), rows, prob_sum
 
 
 def decoder_layer(p: Params, x_BTD: torch.Tensor, pos: Positions, a: MoeArch,
                   c: dense.LayerCompute = dense.LayerCompute(), window: Optional[int] = None):
-    """(layer output [B, T, D], this layer's balance loss (fp32 scalar), per-expert load [E] int64)."""
+    """(layer output [B, T, D], this layer's balance loss (fp32 scalar), per-expert load [E] int64, the routing
+    `KeptRouting` for a recompute, or None for a chunked routed block)."""
     x_BTD = dense.attention_residual(p, x_BTD, pos, a, c, window)
     B, T, D = x_BTD.shape
     x_ND = x_BTD.reshape(B * T, D)
     chunk = c.mlp_chunk_tokens
     if chunk <= 0 or B * T <= chunk:
-        y_ND, load, prob_sum = routed_block(p, x_ND, a)
+        y_ND, rows, prob_sum = routed_block(p, x_ND, a)
+        load, kept = rows.load, KeptRouting(rows.order, rows.load)
     else:
         parts = []
         for start in range(0, B * T, chunk):
             xs = x_ND[start:start + chunk]
             if torch.is_grad_enabled():
-                parts.append(checkpoint(routed_block, p, xs, a, use_reentrant=False, preserve_rng_state=False))
+                parts.append(checkpoint(_chunk_block, p, xs, a, use_reentrant=False, preserve_rng_state=False))
             else:
-                parts.append(routed_block(p, xs, a))
+                parts.append(_chunk_block(p, xs, a))
         outs, loads, prob_sums = zip(*parts)
-        y_ND, load, prob_sum = torch.cat(outs), torch.stack(loads).sum(0), torch.stack(prob_sums).sum(0)
-    return y_ND.view(B, T, D), balance_loss(load, prob_sum, B * T), load
+        y_ND, load, prob_sum, kept = torch.cat(outs), torch.stack(loads).sum(0), torch.stack(prob_sums).sum(0), None
+    return y_ND.view(B, T, D), balance_loss(load, prob_sum, B * T), load, kept
+
+
+def _chunk_block(p: Params, x_ND: torch.Tensor, a: MoeArch):
+    """`routed_block` of one chunk of tokens, with its load in place of its rows: ([C, D], load [E], prob_sum [E])."""
+    y_ND, rows, prob_sum = routed_block(p, x_ND, a)
+    return y_ND, rows.load, prob_sum
+
+
+def layer_to_down_proj(p: Params, x_BTD: torch.Tensor, pos: Positions, a: MoeArch,
+                       c: dense.LayerCompute = dense.LayerCompute(), window: Optional[int] = None,
+                       kept: Optional[KeptRouting] = None):
+    """`decoder_layer` (unchunked routed block) without its down projection, whose output no gradient reads
+    (`weighted_down_backward`): (the routed block's input x2 [N, D], the down projection's input act [R, I],
+    the rows' routing weights [R], the balance loss, `ExpertRows`). The recompute of a layer's backward stops here,
+    2*k*D*I FLOPs per token less (`layer_backward`); given `kept` it reuses the forward's routing."""
+    x2 = dense.attention_residual(p, x_BTD, pos, a, c, window)
+    B, T, D = x2.shape
+    x2_ND = x2.reshape(B * T, D)
+    y_ND, weights, rows, prob_sum = routing(p, x2_ND, a, kept)
+    act = expert_activations(p, y_ND, rows, a)
+    return x2_ND, act, weights.reshape(-1)[rows.order], balance_loss(rows.load, prob_sum, B * T), rows
+
+
+def down_proj_flops_per_token(a: MoeArch) -> int:
+    """The down projection's forward FLOPs per token: k experts' [I] x [I, D]."""
+    return 2 * a.top_k * a.expert_intermediate * a.hidden
+
+
+DOWN_PROJ = "mlp.experts.down_proj"
+DOWN_PROJ_BIAS = "mlp.experts.down_proj_bias"
+
+
+def layer_backward(p: Params, x_BTD: torch.Tensor, dy_BTD: torch.Tensor, pos: Positions, a: MoeArch,
+                   c: dense.LayerCompute, window: Optional[int], kept: Optional[KeptRouting],
+                   balance: Balance, to_down_fn=layer_to_down_proj, down_backward_fn=weighted_down_backward):
+    """(d x, {name: gradient} for every tensor of p) of `decoder_layer` (unchunked routed block, with the balance
+    term's gradient) at x (a leaf that requires grad) for the output gradient dy: the forward recomputed with
+    autograd up to the down projection's input (`to_down_fn`, reusing `kept` routing when given), the down
+    projection's gradients by hand (`down_backward_fn`, the ops `_WeightedDown`'s backward runs, so both engines
+    agree bit for bit), then autograd for the rest. `balance` records the layer's term and returns its weight."""
+    x2_ND, act, weights_R, aux, rows = to_down_fn(p, x_BTD, pos, a, c, window, kept)
+    dy_ND = dy_BTD.reshape(x2_ND.shape)
+    weight = balance(aux.detach(), rows.load, x2_ND.shape[0])
+    bias = p.get(DOWN_PROJ_BIAS)
+    with torch.no_grad():
+        d_out = dy_ND.to(down_output_dtype(act, bias, weights_R))[rows.token]
+        d_act, d_w2, d_bias, d_weights = down_backward_fn(d_out, act, _down_weight(p, a, act.dtype), bias,
+                                                          weights_R, rows.offs, rows.expert_of_row)
+        del d_out
+    rest = {n: t for n, t in p.items() if n not in (DOWN_PROJ, DOWN_PROJ_BIAS)}
+    names = list(rest)
+    # dy enters where the plain layer's residual add hands it on, at the [N, D] view (autograd then sums the
+    # contributions to that view in the plain layer's order: bit-identical)
+    grads = torch.autograd.grad((x2_ND, act, weights_R, aux), [x_BTD, *rest.values()],
+                                (dy_ND, d_act, d_weights, torch.full_like(aux, weight)))
+    by_name = dict(zip(names, grads[1:]))
+    down = p[DOWN_PROJ]
+    by_name[DOWN_PROJ] = (d_w2 if a.gpt_oss else d_w2.transpose(1, 2)).to(down.dtype)
+    if d_bias is not None:
+        by_name[DOWN_PROJ_BIAS] = d_bias
+    return grads[0], by_name
 
 
 class RouterStats:

@@ -60,9 +60,10 @@ or `train.compile_in_process`); a refusal says when the plan would fit without t
 Modules: `build` (`build_plan`, the refusal's suggestions), `stream` (`StreamPlanner`: the placement search and a
 placement's rows), `reference` (the oracle's plan), `memory` (`MemoryPlan`, `PlanError`, the process's own host
 memory), `activations` (activation and working-set bytes), `shape` (`StepShape`: the numbers both models read),
-`speeds` (`Speeds`: the calibrated figures), `time_model` (`predict_stream`). The planner's output for the engine is
-a `Placement` (engine/placement.py); what the run executes (compiled, fused loss, attention backend) is an
-`Execution` (engine/execution.py), read by the planner and the trainer alike.
+`speeds` (`Speeds`: the calibrated figures), `time_model` (`predict_stream`; `StepTimer`, the same for the many
+placements of one search). The planner's output for the engine is a `Placement` (engine/placement.py); what the run
+executes (compiled, fused loss, attention backend) is an `Execution` (engine/execution.py), read by the planner and
+the trainer alike.
 """
 
 from engine.plan.activations import (layer_activation_bytes_per_token, layer_graph_bytes, layer_working_bytes,

@@ -4,7 +4,7 @@ the compiled kernels in this process)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from engine.execution import Execution
 from engine.config import exact_state_required
@@ -24,9 +24,10 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
     is the plan's `host_source`. State-format fields left `auto` are resolved in `cfg` first (`choose_state_format`);
     the plan's `format_choice` says what was chosen."""
     ex = execution or Execution.of(spec, cfg, on_gpu)
-    choice = choose_state_format(spec, cfg, gpu_gib, host_gib, ex, state_ranks)
+    choice, plan = choose_state_format(spec, cfg, gpu_gib, host_gib, ex, state_ranks)
     fmt = StateFormat.of(cfg.train)
-    plan = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
+    if plan is None:
+        plan = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
     plan.format_choice = choice or f"state format: {fmt.overrides()} (as configured)"
     plan.host_source = getattr(host_gib, "source", "")
     plan.gpu_cap_gib = cfg.hardware.gpu_mem_cap_gib
@@ -38,16 +39,19 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
     return plan
 
 
-def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, state_ranks: int = 1) -> str:
+def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution,
+                        state_ranks: int = 1) -> Tuple[str, Optional[MemoryPlan]]:
     """Resolve `train.master_dtype/moments_dtype/grad_dtype=auto` in `cfg`: the most precise format the set fields
     allow with which the engine's plan fits (all-fp32 only where a setting needs exact state). When none fits, the
     most precise one is kept and the plan's refusal names it and what would fit. Returns a line for the start banner
-    ('' when every field was set)."""
+    ('' when every field was set) and the chosen format's plan where it was made here (a plan takes seconds: the
+    caller need not make it again), else None."""
     t = cfg.train
     if not format_is_open(t):
-        return ""
+        return "", None
     candidates = candidate_formats(t, exact_only=exact_state_required(cfg))
     chosen = None
+    plans = {}  # the plan of each format planned
     numel = spec.num_params()
     for tried, fmt in enumerate(candidates, 1):
         # master and moments live on the host or the GPU (without an NVMe tier): a format whose state alone
@@ -55,7 +59,7 @@ def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Executio
         if not cfg.hardware.nvme_dir and fmt.state_bytes(numel) / state_ranks > (host_gib + gpu_gib) * GIB:
             continue
         try:
-            plan = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
+            plan = plans[fmt] = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
         except PlanError:  # the config fixes a placement this format cannot take
             continue
         if not plan.problem():
@@ -68,7 +72,7 @@ def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Executio
     why = ("the most precise that fits" if tried == 1 else
            f"the most precise that fits ({tried - 1} more precise do not)") if fits else \
         "none of the allowed formats fits; planning the most precise"
-    return f"state format: {chosen.overrides()} ({why}; train.*_dtype=auto)"
+    return f"state format: {chosen.overrides()} ({why}; train.*_dtype=auto)", plans.get(chosen)
 
 
 def _engine_plan(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, fmt: StateFormat,

@@ -133,10 +133,8 @@ def process_host_bytes(hw, compile_workers: bool) -> int:
     return int(max(0.0, hw.host_process_gib - (0.0 if compile_workers else hw.host_compile_workers_gib)) * GIB)
 
 
-def add_process_row(plan: MemoryPlan, hw, compile_workers: bool) -> int:
-    """The host row of the process itself (none when the profile has no figure); returns its bytes."""
-    nbytes = process_host_bytes(hw, compile_workers)
+def add_process_row(plan: MemoryPlan, nbytes: int, compile_workers: bool) -> None:
+    """The host row of the process itself, `nbytes` (`process_host_bytes`; no row when the profile has no figure)."""
     if nbytes:
         workers = "" if compile_workers else ", no compile workers"
         plan.add("host", f"this process: torch, CUDA context, compiled kernels (calibrated{workers})", nbytes)
-    return nbytes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.execution import Execution
 from engine.formats import StateFormat
-from engine.plan.memory import MemoryPlan, add_process_row
+from engine.plan.memory import MemoryPlan, add_process_row, process_host_bytes
 from engine.plan.shape import StepShape
 from engine.plan.speeds import Speeds
 from engine.plan.time_model import HBM_ADAMW_BYTES_PER_S, STEP_OVERHEAD_S
@@ -29,7 +29,7 @@ def reference_plan(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, fm
              (s.L if t.activation_checkpointing else 0) * 4 * s.h * s.mb_tokens)
     plan.add(tier, "working activations (one layer, or the loss chunk)",
              s.act * (1 if t.activation_checkpointing else s.L))
-    add_process_row(plan, hw, s.compile_workers)
+    add_process_row(plan, process_host_bytes(hw, s.compile_workers), s.compile_workers)
     sp = Speeds(hw, ex.compiled, s.attention, spec.moe, spec.arch.hidden, s.seq_len)
     if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0

@@ -3,12 +3,14 @@ model both read them."""
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional
 
 from engine.execution import Execution
 from engine.formats import StateFormat
 from engine.metrics import model_flops_per_token
 from engine.model.dense import mlp_chunked
+from engine.model.moe import kept_routing_bytes
 from engine.plan.activations import layer_graph_bytes, layer_working_bytes, loss_activation_bytes
 from engine.streaming.streamed_update import N_STAGES
 
@@ -33,6 +35,12 @@ class StepShape:
         self.layouts = [u.layout for u in spec.units]
         self.layer_numel = max(lay.numel for lay in self.layouts[1:-1])
         self.layer_cast = max(lay.cast_numel for lay in self.layouts[1:-1])
+        # sums over the leading units ([k]: units 0..k-1), which the placement search asks of every split it tries;
+        # the bytes are ints, so a prefix sum gives what the sum over the units gives
+        self.numels = [lay.numel for lay in self.layouts]
+        self._numel_upto = list(accumulate(self.numels, initial=0))
+        self._slot_upto = list(accumulate((self.slot_bytes(lay) for lay in self.layouts), initial=0))
+        self._state_upto = list(accumulate((fmt.state_bytes(n) for n in self.numels), initial=0))
         fused = ex.fused_loss
         self.compiled, self.compile_workers = ex.compiled, ex.compile_workers
         self.mlp_chunk_tokens, self.attention, self.lean = ex.mlp_chunk_tokens, ex.attention, ex.lean
@@ -49,6 +57,9 @@ class StepShape:
         self.mlp_recompute_flops = flops["layer_mlp_forward_flops_per_token"] * self.step_tokens if chunked else 0
         # the streaming engine's recompute leaves out what no gradient reads (ModelSpec.layer_grads)
         self.recompute_skipped_flops = spec.recompute_skipped_flops_per_token(chunked, self.lean) * self.step_tokens
+        # a recomputed MoE layer keeps its forward's routing for that recompute, on the GPU, every micro-batch
+        self.kept_routing_bytes = t.grad_accum * kept_routing_bytes(spec.arch, self.mb_tokens) \
+            if spec.moe and spec.recompute_stops_before_down_proj(chunked, self.lean) else 0
         # the head: forward + backward (2x); the chunked torch chain also recomputes the logits in its backward
         self.head_flops = (3 if fused else 4) * flops["head_forward_flops_per_token"] * self.step_tokens
 
@@ -63,18 +74,22 @@ class StepShape:
     def slot_bytes(self, lay) -> int:
         return self.compute_bytes * lay.cast_numel + 4 * (lay.numel - lay.cast_numel)
 
+    def resident_state_bytes(self, n_res: int) -> int:
+        """The state (master + moments) of the first `n_res` units."""
+        return self._state_upto[n_res]
+
     def own_slot_bytes(self, n_res: int) -> int:
         """The slots of their own that the GPU-resident layers take when weights are not cached."""
-        return sum(self.slot_bytes(self.layouts[u]) for u in range(1, min(n_res, self.L + 1)))
+        return self._slot_upto[max(1, min(n_res, self.L + 1))] - self._slot_upto[1]
 
     def own_accumulator_bytes(self, n_gpu_updated: int) -> int:
         """The gradients of their own that the GPU-updated layers hold on the GPU when gradients go to the host (fp32:
         the accumulator itself; bf16: the rounded copy, the accumulator being one of the shared ones, and the
         embedding's and head's rounded copies too)."""
-        held = list(range(1, min(n_gpu_updated, self.L + 1)))
+        numel = self._numel_upto[max(1, min(n_gpu_updated, self.L + 1))] - self._numel_upto[1]  # layers 1.. of them
         if self.fmt.grad != "fp32":
-            held += [u for u in (0, self.L + 1) if u < n_gpu_updated]
-        return self.fmt.grad_bytes(sum(self.layouts[u].numel for u in held))
+            numel += sum(self.numels[u] for u in (0, self.L + 1) if u < n_gpu_updated)
+        return self.fmt.grad_bytes(numel)
 
     def transfer_bytes(self, numel: int) -> int:
         """A host-updated unit's gradient over D2H and in host memory: fp32, or bf16 with bf16 transfer."""
@@ -84,5 +99,5 @@ class StepShape:
         """The GPU staging buffers of the streamed units' state (engine/streaming/streamed_update.py)."""
         if not n_str:
             return 0
-        return min(N_STAGES, n_str) * self.fmt.state_bytes(max(lay.numel for lay in self.layouts[n_res:n_res + n_str]))
+        return min(N_STAGES, n_str) * self.fmt.state_bytes(max(self.numels[n_res:n_res + n_str]))
 

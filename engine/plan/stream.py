@@ -17,7 +17,7 @@ from engine.placement import Placement, kept_layer_inputs, nvme_layers
 from engine.plan.memory import GIB, MemoryPlan, PlanError, add_process_row, process_host_bytes
 from engine.plan.shape import StepShape
 from engine.plan.speeds import Speeds
-from engine.plan.time_model import predict_stream
+from engine.plan.time_model import StepTimer
 from engine.streaming.host_store import init_copies
 from engine.streaming.nvme import STAGING_BUFFERS
 from engine.streaming.nvme import file_bytes as nvme_file_bytes
@@ -78,7 +78,7 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
 def _split_bytes(s: StepShape, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:
     """GPU bytes the update places take beyond the fixed working set: resident state (+ the resident layers' own
     slots and accumulators), streamed staging (+ the streamed layers' accumulators)."""
-    nbytes = sum(s.fmt.state_bytes(lay.numel) for lay in s.layouts[:n_res]) + s.staging_bytes(n_res, n_str)
+    nbytes = s.resident_state_bytes(n_res) + s.staging_bytes(n_res, n_str)
     if not grads_on_gpu:
         nbytes += s.own_accumulator_bytes(n_res + n_str)
     if not cached:
@@ -86,15 +86,15 @@ def _split_bytes(s: StepShape, n_res: int, n_str: int, grads_on_gpu: bool, cache
     return nbytes
 
 
-def choose_split(s: StepShape, sp: Speeds, candidates: List[Candidate]) -> Optional[Candidate]:
-    """The fastest predicted of the candidates. Among those within 1% of the fastest, the one with the most slack:
-    the least busy of its forward's non-compute resources (host AdamW, H2D, D2H) relative to the forward's compute,
-    so that an error in a calibrated rate costs the least."""
-    if not candidates or not sp.known:
+def choose_split(timer: Optional[StepTimer], candidates: List[Candidate]) -> Optional[Candidate]:
+    """The fastest predicted of the candidates (`timer`: None without calibrated speeds, the first then). Among those
+    within 1% of the fastest, the one with the most slack: the least busy of its forward's non-compute resources
+    (host AdamW, H2D, D2H) relative to the forward's compute, so that an error in a calibrated rate costs the least."""
+    if not candidates or timer is None:
         return candidates[0] if candidates else None
     scored = []
     for placement, free in candidates:
-        times, _ = predict_stream(s, sp, placement)
+        times, _ = timer.predict(placement)
         load = max(times["host_adamw"], times["forward_h2d"], times["forward_d2h"]) / times["forward_compute"]
         scored.append((times["step"], load, -free, placement, free))
     best = min(c[0] for c in scored)
@@ -116,6 +116,7 @@ class StreamPlanner:
         self.gpu_gib, self.host_gib, self.on_gpu, self.state_ranks = gpu_gib, host_gib, ex.on_gpu, state_ranks
         s = self.s = StepShape(spec, cfg, ex.on_gpu, fmt, state_ranks, execution=ex)
         self.sp = Speeds(self.hw, ex.compiled, s.attention, spec.moe, spec.arch.hidden, s.seq_len)
+        self.timer = StepTimer(s, self.sp) if self.sp.known else None  # times every placement the search tries
         layouts, L = self.layouts, self.L = s.layouts, s.L
         self.n_units = len(layouts)
         self.compute_tier = "gpu" if ex.on_gpu else "host"
@@ -127,9 +128,17 @@ class StreamPlanner:
             0 if fmt.grad == "fp32" else self.side_grad_bytes)
         self.cache_bytes = sum(s.slot_bytes(lay) for lay in layouts[1:-1])
         self.margin_gib = 2.0 + 0.05 * gpu_gib if ex.on_gpu else 0.0
+        self.process_bytes = process_host_bytes(self.hw, s.compile_workers)  # in every placement's rows
         self.state_bytes = [fmt.state_bytes(lay.numel) for lay in layouts]  # master + m + v in their formats
         self.moment_bytes = [fmt.state_bytes(lay.numel) - fmt.master_bytes(lay.numel) for lay in layouts]
         self.state_name = f"{fmt.master} master, {fmt.moments} Adam m + v"
+        # the fixed working set but the kept graphs (`fixed_rows`, in every placement's rows)
+        self.working_set_rows = [
+            ("H2D staging buffer (fp32)", 4 * min(STAGING_ELEMS, max(lay.cast_numel for lay in layouts))),
+            ("embedding + head slots", s.slot_bytes(layouts[0]) + s.slot_bytes(layouts[-1])),
+            ("residual stream + its gradient, all micro-batches", 2 * 4 * s.h * s.step_tokens),
+            ("working activations (one layer, or the loss chunk)", s.act)]
+        self.kept_graph_bytes = s.kept_graph_bytes
         self.nvme_on = bool(self.hw.nvme_dir) and self.hw.nvme_gib > 0 and fmt.exact
         # the most host memory the NVMe tier could take over: every unit's moments, within its disk budget
         self.nvme_room = min(self.hw.nvme_gib * GIB, sum(self.moment_bytes)) if self.nvme_on else 0
@@ -139,14 +148,13 @@ class StreamPlanner:
 
     # ---- the rows of one placement ------------------------------------------------------------------------------
     def fixed_rows(self, n_kept: int) -> List[Tuple[str, int]]:
-        s = self.s
-        return [
-            ("H2D staging buffer (fp32)", 4 * min(STAGING_ELEMS, max(lay.cast_numel for lay in self.layouts))),
-            ("embedding + head slots", s.slot_bytes(self.layouts[0]) + s.slot_bytes(self.layouts[-1])),
-            ("residual stream + its gradient, all micro-batches", 2 * 4 * s.h * s.step_tokens),
-            ("working activations (one layer, or the loss chunk)", s.act),
-            (f"autograd graphs of the last {n_kept} layers (no recompute)", n_kept * s.kept_graph_bytes),
-        ]
+        rows = [*self.working_set_rows,
+                (f"autograd graphs of the last {n_kept} layers (no recompute)", n_kept * self.kept_graph_bytes)]
+        if self.s.kept_routing_bytes:
+            recomputed = self.L - n_kept
+            rows.append((f"MoE routing kept for the recompute ({recomputed} layers, all micro-batches)",
+                         recomputed * self.s.kept_routing_bytes))
+        return rows
 
     def activation_bytes(self, n_kept: int, g: int) -> int:
         """The kept inputs of the recomputed layers (kept layers' inputs live in their graphs)."""
@@ -211,8 +219,8 @@ class StreamPlanner:
                      "lean layers, all micro-batches)", self.kept_attention_bytes(placement.kept_attention_layers))
         if self.on_gpu:
             plan.reserve("gpu", "allocator margin + CUDA context (reserved, not allocated)", int(self.margin_gib * GIB))
-        process_bytes = add_process_row(plan, self.hw, self.s.compile_workers)
-        self._startup_row(plan, held, process_bytes)
+        add_process_row(plan, self.process_bytes, self.s.compile_workers)
+        self._startup_row(plan, held, self.process_bytes)
         return plan
 
     def _state_rows(self, plan: MemoryPlan, placement: Placement, held: set) -> None:
@@ -313,7 +321,8 @@ class StreamPlanner:
         """`placement` with its `nvme_units`: the configured count, or (-1) the fewest host-updated units, last
         first, whose moments on disk make the host fit, within hardware.nvme_gib."""
         if self.e.nvme_units >= 0 or not self.nvme_on:
-            return replace(placement, nvme_units=max(0, self.e.nvme_units))
+            n = max(0, self.e.nvme_units)
+            return placement if placement.nvme_units == n else replace(placement, nvme_units=n)
         host_layers = len(nvme_layers(self.n_units, placement.host_units.start, self.n_units))
         best = replace(placement, nvme_units=0)
         best_host = self.rows_for(best).total("host")
@@ -352,8 +361,8 @@ class StreamPlanner:
         plan = self.rows_for(placement)
         if unfit_note:
             plan.notes.append(unfit_note)
-        if self.sp.known:
-            plan.times_s, plan.binding = predict_stream(self.s, self.sp, placement)
+        if self.timer:
+            plan.times_s, plan.binding = self.timer.predict(placement)
             plan.speeds = self.sp.describe(self.hw)
         return plan
 
@@ -379,7 +388,7 @@ class _GpuSearch:
         self.fixed_bytes = {n_kept: sum(b for _, b in p.fixed_rows(n_kept)) for n_kept in self.kept_choices}
         # the process, the state and every gradient but the embedding's, the head's and two layers' (those are in
         # the shared accumulators), whichever tier holds them
-        self.held_anyway = (process_host_bytes(p.hw, p.s.compile_workers) + sum(p.state_bytes) - p.nvme_room
+        self.held_anyway = (p.process_bytes + sum(p.state_bytes) - p.nvme_room
                             + p.fmt.grad_bytes(sum(lay.numel for lay in p.layouts[1:-1])
                                                - min(2, p.L) * p.s.layer_numel))
 
@@ -439,7 +448,7 @@ class _GpuSearch:
             if not fitting and groups:
                 unfit_note = (f"No engine.recompute_group from 2 to {groups[-1]} (recompute groups, one layer input "
                               "kept per group) fits either.")
-        chosen = choose_split(p.s, p.sp, fitting)
+        chosen = choose_split(p.timer, fitting)
         if chosen is None and candidates:  # nothing fits both tiers: the closest plan, for the refusal to show
             chosen = min(candidates, key=lambda c: p.rows_for(c[0]).overflow_bytes())
         placement, free = chosen if chosen else (fallback, 0.0)

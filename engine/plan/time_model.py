@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from itertools import accumulate
+from typing import Dict, List, NamedTuple, Tuple
 
 from engine.distributed import state_owners
 from engine.placement import Placement
@@ -12,6 +13,15 @@ from engine.streaming.nvme import file_bytes as nvme_file_bytes
 
 HBM_ADAMW_BYTES_PER_S = 3.0e12  # fused CUDA AdamW: ~28 B/param of HBM traffic at about 3 TB/s
 STEP_OVERHEAD_S = 0.03  # per step: norm synchronisation, optimizer hand-off, Python
+
+
+class Forward(NamedTuple):
+    """One placement's forward (`StepTimer._forward`): its time, and per rank the host AdamW's and the links'
+    busy time."""
+    time: float
+    host_adamw: Tuple[float, ...]
+    h2d_busy: Tuple[float, ...]
+    d2h_busy: Tuple[float, ...]
 
 
 def predict_stream(s: StepShape, sp: Speeds, placement: Placement) -> Tuple[Dict[str, float], str]:
@@ -36,114 +46,153 @@ def predict_stream(s: StepShape, sp: Speeds, placement: Placement) -> Tuple[Dict
     slots bound how many loads are in flight). The backward is the larger of its compute and the busiest link's
     transfers. Not modelled: the NVLink traffic (each slot's broadcast and each gradient's reduce, at several times
     the PCIe rate, on a stream of their own)."""
-    n_res = placement.gpu_resident_units
-    cached = placement.cache_weights
-    grads_host = placement.grads_tier == "host"
-    activations_host = placement.activation_tier == "host"
-    n_units = len(s.layouts)
-    numel = [lay.numel for lay in s.layouts]
-    place = [placement.place_of(u) for u in range(n_units)]
-    link_each = min(sp.h2d, sp.d2h, sp.bidir / 2)  # each direction's rate while both stream
-    layer_input_bytes = 4 * s.h * s.step_tokens  # one layer's kept inputs, all micro-batches
-    compute = [sp.layer_fwd_s(s) if 1 <= u <= s.L else 0.0 for u in range(n_units)]
-    first_kept = s.L - placement.keep_activation_layers + 1  # layers from here on keep their graphs
-    g = placement.recompute_group
-    kept_inputs = placement.kept_layer_inputs
-    kept_attention = set(placement.kept_attention_units)
-    on_disk = set(placement.disk_units)
+    return StepTimer(s, sp).predict(placement)
 
-    def host_update_s(u: int) -> float:
-        """The host AdamW of unit u; for a unit in the NVMe tier, the longer of that and its moments' I/O."""
-        adam = numel[u] / sp.adam_pcie
-        return max(adam, 2 * nvme_file_bytes([numel[u]]) / sp.nvme) if u in on_disk and sp.nvme else adam
 
-    ranks = s.state_ranks
-    owner = state_owners(s.spec, n_res, ranks) if ranks > 1 else {}
-    link = [owner.get(u, 0) for u in range(n_units)]  # whose CPU updates and whose link carries unit u
+class StepTimer:
+    """`predict_stream` for the many placements of one search (some 10^4 per plan). What does not depend on the
+    placement is computed here once, each figure the float the per-placement expression gives: each unit's transfer,
+    host update and compute time, a layer's backward, the GPU AdamW of each resident prefix. The forward reads only
+    the split, the ring, the layer inputs sent to the host and the NVMe units, not the kept-graph count or the
+    recompute group the search varies fastest: each such layout's forward is kept (`_forwards`, a few thousand at
+    most). Reads `sp` when built: a changed Speeds needs a new StepTimer."""
 
-    host_done, clock = [0.0] * n_units, [0.0] * ranks
-    for u in range(n_units):
-        if place[u] == "host":
-            clock[link[u]] += host_update_s(u)
-        host_done[u] = clock[link[u]]
-    slots = n_units if cached else placement.slots
-    h2d_end, d2h_end, end = [0.0] * n_units, [0.0] * n_units, [0.0] * n_units
-    h2d_prev, d2h_prev, end_prev = [0.0] * ranks, [0.0] * ranks, 0.0
-    h2d_busy, d2h_busy = [0.0] * ranks, [0.0] * ranks
+    def __init__(self, s: StepShape, sp: Speeds):
+        self.spec = s.spec
+        self.n_units, self.L, self.ranks = len(s.layouts), s.L, s.state_ranks
+        numel = s.numels
+        link_each = min(sp.h2d, sp.d2h, sp.bidir / 2)  # each direction's rate while both stream
+        self.streamed_s = [s.fmt.state_bytes(n) / link_each for n in numel]  # a streamed unit's state, each way
+        self.master_s = [s.fmt.master_bytes(n) / sp.h2d for n in numel]  # a host-updated unit's master, or weights
+        self.grad_out_s = [s.transfer_bytes(n) / sp.d2h for n in numel]  # a host-updated unit's gradient
+        # the host AdamW of each unit; for a unit in the NVMe tier, the longer of that and its moments' I/O
+        self.adam_s = [n / sp.adam_pcie for n in numel]
+        self.adam_disk_s = [max(adam, 2 * nvme_file_bytes([n]) / sp.nvme) if sp.nvme else adam
+                            for adam, n in zip(self.adam_s, numel)]
+        self.slowdown = 1.0 / sp.link_under_adam  # a transfer that starts while its rank's host AdamW runs
+        self.layer_input_bytes = 4 * s.h * s.step_tokens  # one layer's kept inputs, all micro-batches
+        self.input_out_s = self.layer_input_bytes / sp.d2h
+        self.h2d, self.d2h = sp.h2d, sp.d2h
+        self.layer_fwd = sp.layer_fwd_s(s)  # sp.layer_fwd_s(s, k) is k times this
+        self.compute = [self.layer_fwd if 1 <= u <= s.L else 0.0 for u in range(self.n_units)]
+        self.forward_compute = sum(self.compute)
+        self.bwd_kept = sp.layer_bwd_s(s, 2)
+        self.bwd_recomputed = sp.layer_bwd_s(s, 3, s.recompute_skipped_flops, None)
+        self.bwd_attention_kept = sp.layer_bwd_s(s, 3, s.recompute_skipped_flops, 2)
+        self.head = s.head_flops / sp.head
+        self.resident_adam = [s.fmt.update_hbm_bytes(n) / HBM_ADAMW_BYTES_PER_S  # per GPU-resident count
+                              for n in accumulate(numel, initial=0)]
+        self._links: Dict[int, List[int]] = {}  # per GPU-resident count: the rank whose link carries each unit
+        self._forwards: Dict[tuple, Forward] = {}  # per `_forward`'s arguments
 
-    def slowdown(t: float, r: int) -> float:
-        """1 / the link's rate factor for a transfer of rank r's link starting at t (slower while its AdamW runs)."""
-        return 1.0 / sp.link_under_adam if t < clock[r] else 1.0
+    def links(self, n_res: int) -> List[int]:
+        """Whose CPU updates and whose link carries each unit, with `n_res` GPU-resident units."""
+        if n_res not in self._links:
+            owner = state_owners(self.spec, n_res, self.ranks) if self.ranks > 1 else {}
+            self._links[n_res] = [owner.get(u, 0) for u in range(self.n_units)]
+        return self._links[n_res]
 
-    for u in range(n_units):
-        r = link[u]
-        start = max(h2d_prev[r], host_done[u])
-        if 1 <= u <= s.L and u - slots >= 1:
-            start = max(start, end[u - slots])
-        if place[u] == "streamed":
-            if u - 2 >= n_res:
-                start = max(start, d2h_end[u - 2])
-            h2d_t = s.fmt.state_bytes(numel[u]) / link_each
-        else:
-            h2d_t = 0.0 if place[u] == "resident" else s.fmt.master_bytes(numel[u]) / sp.h2d
-        h2d_t *= slowdown(start, r)
-        h2d_end[u] = h2d_prev[r] = start + h2d_t
-        d2h_t = s.fmt.state_bytes(numel[u]) / link_each if place[u] == "streamed" else 0.0
-        d2h_t *= slowdown(max(d2h_prev[r], h2d_end[u]), r)
-        # each rank's kept activations go out over its own link
-        act_t = layer_input_bytes / sp.d2h if activations_host and 1 <= u and u - 1 in kept_inputs else 0.0
-        for q in range(ranks):
-            d2h_prev[q] = max(d2h_prev[q], h2d_end[u]) + act_t + (d2h_t if q == r else 0.0)
-            d2h_busy[q] += act_t + (d2h_t if q == r else 0.0)
-        d2h_end[u] = d2h_prev[r]
-        h2d_busy[r] += h2d_t
-        end[u] = end_prev = max(end_prev, h2d_end[u]) + compute[u]
-    t_fwd = end[-1]
-    exposed = t_fwd - sum(compute)
-    fwd_h2d, fwd_d2h = max(h2d_busy), max(d2h_busy)
-    head = s.head_flops / sp.head
-    backward = 0.0
+    def predict(self, placement: Placement) -> Tuple[Dict[str, float], str]:
+        """(phase times, binding resource) of one streamed step under `placement` (`predict_stream`)."""
+        n_res = placement.gpu_resident_units
+        on_disk = tuple(placement.disk_units)
+        layout = (n_res, n_res + placement.gpu_streamed_units,
+                  self.n_units if placement.cache_weights else placement.slots,
+                  placement.kept_layer_inputs if placement.activation_tier == "host" else range(0), on_disk)
+        if layout not in self._forwards:
+            self._forwards[layout] = self._forward(*layout)
+        t_fwd, host_adamw, h2d_busy, d2h_busy = self._forwards[layout]
+        backward, bwd_h2d, bwd_d2h = self._backward(placement, self.links(n_res))
+        host_total = max(host_adamw)  # the busiest rank's
+        times = {"forward": t_fwd, "forward_compute": self.forward_compute, "forward_h2d": max(h2d_busy),
+                 "forward_d2h": max(d2h_busy), "head": self.head, "backward": backward,
+                 "gpu_resident_adamw": self.resident_adam[n_res], "host_adamw": host_total,
+                 "exposed_wait": t_fwd - self.forward_compute}
+        times["step"] = t_fwd + self.head + backward + self.resident_adam[n_res] + STEP_OVERHEAD_S
+        busy_by = {"GPU compute": self.forward_compute + self.head + backward,
+                   "H2D": max(a + b for a, b in zip(h2d_busy, bwd_h2d)),
+                   "D2H": max(a + b for a, b in zip(d2h_busy, bwd_d2h)),
+                   "host AdamW" if not on_disk else "host AdamW + NVMe": host_total}
+        return times, max(busy_by, key=busy_by.get)
 
-    def weights_in(u: int) -> float:
-        return 0.0 if cached or place[u] == "resident" else s.fmt.master_bytes(numel[u]) / sp.h2d
+    def _forward(self, n_res: int, n_gpu: int, slots: int, sent_inputs: range, on_disk: Tuple[int, ...]) -> Forward:
+        """The forward's pipeline (`predict_stream`) with the first `n_res` units GPU-resident, the next ones up to
+        `n_gpu` GPU-streamed, a ring of `slots`, the inputs of layers `sent_inputs` (0-based) going to the host and
+        the units `on_disk` in the NVMe tier."""
+        n_units, L, ranks, slow, link = self.n_units, self.L, self.ranks, self.slowdown, self.links(n_res)
+        # the host AdamW updates its units (the last ones) in order from the start of the forward
+        host_done, clock = [0.0] * n_units, [0.0] * ranks
+        for u in range(n_gpu, n_units):
+            clock[link[u]] += self.adam_disk_s[u] if u in on_disk else self.adam_s[u]
+            host_done[u] = clock[link[u]]
+        h2d_end, d2h_end, end = [0.0] * n_units, [0.0] * n_units, [0.0] * n_units
+        h2d_prev, d2h_prev, end_prev = [0.0] * ranks, [0.0] * ranks, 0.0
+        h2d_busy, d2h_busy = [0.0] * ranks, [0.0] * ranks
+        for u in range(n_units):
+            r = link[u]
+            start = max(h2d_prev[r], host_done[u])
+            if 1 <= u <= L and u - slots >= 1:
+                start = max(start, end[u - slots])
+            d2h_t = 0.0
+            if u < n_res:
+                h2d_t = 0.0
+            elif u < n_gpu:  # streamed: master + m + v in, and back out
+                if u - 2 >= n_res:
+                    start = max(start, d2h_end[u - 2])
+                h2d_t = d2h_t = self.streamed_s[u]
+            else:
+                h2d_t = self.master_s[u]
+            if start < clock[r]:
+                h2d_t *= slow
+            h2d_end[u] = h2d_prev[r] = start + h2d_t
+            if max(d2h_prev[r], h2d_end[u]) < clock[r]:
+                d2h_t *= slow
+            # each rank's kept activations go out over its own link
+            act_t = self.input_out_s if u - 1 in sent_inputs else 0.0
+            for q in range(ranks):
+                d2h_prev[q] = max(d2h_prev[q], h2d_end[u]) + act_t + (d2h_t if q == r else 0.0)
+                d2h_busy[q] += act_t + (d2h_t if q == r else 0.0)
+            d2h_end[u] = d2h_prev[r]
+            h2d_busy[r] += h2d_t
+            end[u] = end_prev = max(end_prev, h2d_end[u]) + self.compute[u]
+        return Forward(end[-1], tuple(clock), tuple(h2d_busy), tuple(d2h_busy))
 
-    bwd_compute, bwd_h2d, bwd_d2h = 0.0, [0.0] * ranks, [0.0] * ranks
-    for u in range(1, s.L + 1):
-        kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
-        attention_kept = u in kept_attention  # a lean layer's attention output kept: no attention forward again
-        layer_compute = sp.layer_bwd_s(s, 2) if kept else sp.layer_bwd_s(s, 3, s.recompute_skipped_flops,
-                                                                          2 if attention_kept else None)
-        h2d = [0.0] * ranks
-        h2d[link[u]] = 0.0 if kept else weights_in(u)
-        regenerated_out = 0.0
-        if not kept and (u % g == 0 or u == first_kept - 1):  # the last layer of its group: regenerate the group
-            others = range(u - (u - 1) % g, u)  # the layers from the one reading the kept input up to u - 1
-            layer_compute += sp.layer_fwd_s(s, len(others))
-            for v in others:
-                h2d[link[v]] += weights_in(v)
-            if activations_host:  # the kept input comes in; the regenerated ones go out, and back in for their layers
-                regenerated_out = len(others) * layer_input_bytes / sp.d2h
-                for q in range(ranks):
-                    h2d[q] += (1 + len(others)) * layer_input_bytes / sp.h2d
-        grad_out = s.transfer_bytes(numel[u]) / sp.d2h if grads_host and place[u] == "host" else 0.0
-        backward += max(layer_compute, max(h2d), grad_out + regenerated_out)
-        bwd_compute += layer_compute
-        for q in range(ranks):
-            bwd_h2d[q] += h2d[q]
-        bwd_d2h[link[u]] += grad_out
-        for q in range(ranks):
-            bwd_d2h[q] += regenerated_out
-    if ranks > 1:  # the ranks' links work side by side: the busiest one, or the compute, sets the pace
-        backward = max(bwd_compute, max(bwd_h2d), max(bwd_d2h))
-    h2d_busy = [a + b for a, b in zip(h2d_busy, bwd_h2d)]
-    d2h_busy = [a + b for a, b in zip(d2h_busy, bwd_d2h)]
-    resident_adam = s.fmt.update_hbm_bytes(sum(numel[:n_res])) / HBM_ADAMW_BYTES_PER_S
-    host_total = max(clock)  # the busiest rank's host AdamW
-    times = {"forward": t_fwd, "forward_compute": sum(compute), "forward_h2d": fwd_h2d, "forward_d2h": fwd_d2h,
-             "head": head, "backward": backward, "gpu_resident_adamw": resident_adam, "host_adamw": host_total,
-             "exposed_wait": exposed}
-    times["step"] = t_fwd + head + backward + resident_adam + STEP_OVERHEAD_S
-    busy_by = {"GPU compute": sum(compute) + head + backward, "H2D": max(h2d_busy), "D2H": max(d2h_busy),
-               "host AdamW" if not on_disk else "host AdamW + NVMe": host_total}
-    return times, max(busy_by, key=busy_by.get)
-
+    def _backward(self, placement: Placement, link: List[int]) -> Tuple[float, List[float], List[float]]:
+        """The backward (`predict_stream`): (its time, each rank's H2D and D2H busy time)."""
+        L, ranks, g, master_s = self.L, self.ranks, placement.recompute_group, self.master_s
+        n_res, cached = placement.gpu_resident_units, placement.cache_weights
+        n_gpu = n_res + placement.gpu_streamed_units
+        first_kept = L - placement.keep_activation_layers + 1  # layers from here on keep their graphs
+        kept_attention = placement.kept_attention_units
+        activations_host = placement.activation_tier == "host"
+        grads_host = placement.grads_tier == "host"
+        backward, bwd_compute, bwd_h2d, bwd_d2h = 0.0, 0.0, [0.0] * ranks, [0.0] * ranks
+        for u in range(1, L + 1):
+            kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
+            if kept:
+                layer_compute = self.bwd_kept
+            else:  # a lean layer's attention output kept: no attention forward again
+                layer_compute = self.bwd_attention_kept if u in kept_attention else self.bwd_recomputed
+            h2d = [0.0] * ranks
+            h2d[link[u]] = 0.0 if kept or cached or u < n_res else master_s[u]  # its weights in again
+            regenerated_out = 0.0
+            if not kept and (u % g == 0 or u == first_kept - 1):  # the last layer of its group: regenerate the group
+                others = range(u - (u - 1) % g, u)  # the layers from the one reading the kept input up to u - 1
+                layer_compute += len(others) * self.layer_fwd
+                for v in others:
+                    h2d[link[v]] += 0.0 if cached or v < n_res else master_s[v]
+                if activations_host:  # the kept input comes in; the regenerated ones go out, and back for their layers
+                    regenerated_out = len(others) * self.layer_input_bytes / self.d2h
+                    for q in range(ranks):
+                        h2d[q] += (1 + len(others)) * self.layer_input_bytes / self.h2d
+            grad_out = self.grad_out_s[u] if grads_host and u >= n_gpu else 0.0
+            backward += max(layer_compute, max(h2d), grad_out + regenerated_out)
+            bwd_compute += layer_compute
+            for q in range(ranks):
+                bwd_h2d[q] += h2d[q]
+            bwd_d2h[link[u]] += grad_out
+            for q in range(ranks):
+                bwd_d2h[q] += regenerated_out
+        if ranks > 1:  # the ranks' links work side by side: the busiest one, or the compute, sets the pace
+            backward = max(bwd_compute, max(bwd_h2d), max(bwd_d2h))
+        return backward, bwd_h2d, bwd_d2h

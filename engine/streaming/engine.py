@@ -10,8 +10,9 @@ One step over M micro-batches:
    end of the graph), giving each micro-batch's residual gradient and the head's parameter gradient.
 3. Backward, layers L..1. Each layer's weights are found still resident (the last `slots` layers of the forward, or
    every layer when the plan caches weights) or streamed again; each micro-batch's forward is recomputed from its kept
-   input with autograd on and back-propagated with `torch.autograd.grad` (`ModelSpec.layer_grads`: a dense layer's
-   recompute stops before the down projection, whose output no gradient needs). The last `keep_activation_layers` layers
+   input with autograd on and back-propagated with `torch.autograd.grad` (`ModelSpec.layer_grads`: a layer's
+   recompute stops before the down projection, whose output no gradient needs; a MoE layer's reuses the routing its
+   forward kept, `ModelSpec.forward_keeping`). The last `keep_activation_layers` layers
    skip that recompute: their forward ran with autograd on and kept its graph (which reads the weights in the layer's
    own slot), so their backward starts from it. The lean layer's last `kept_attention_layers` recomputed layers keep
    their attention output on the GPU from the forward, and their backward runs no attention forward. With recompute
@@ -234,7 +235,9 @@ class StreamEngine:
         if self.kept_attention_units and not spec.compute.lean:
             raise ValueError(f"engine.kept_attention_layers={placement.kept_attention_layers} needs the lean layer "
                              "(train.lean_layer), whose backward takes a kept attention output")
-        self.kept_attention: Dict[Tuple[int, int], object] = {}  # (unit, micro-batch) -> lean.KeptAttention
+        # (unit, micro-batch) -> what a recomputed layer's forward kept for its backward (`ModelSpec.forward_keeping`):
+        # the lean layer's attention output, a MoE layer's routing
+        self.kept_forward: Dict[Tuple[int, int], object] = {}
         self.kept_slots = {} if self.cache_weights else {
             u: self.loader.new_slot([layouts[u]]) for u in sorted(self.kept_layers) if u not in self.device_slots}
         self.graphs: Dict[Tuple[int, int], tuple] = {}  # (layer unit, micro-batch) -> (input leaf, output, params)
@@ -504,8 +507,11 @@ class StreamEngine:
                         y = spec.layer(p, x_in, self.pos[m], k - 1)
                         self.graphs[(k, m)] = (x_in, y, p)
                         x[m] = y.detach()
-                    elif keep and k in self.kept_attention_units:
-                        x[m], self.kept_attention[(k, m)] = spec.layer_keeping_attention(p, x[m], self.pos[m], k - 1)
+                    elif keep:
+                        x[m], kept_m = spec.forward_keeping(p, x[m], self.pos[m], k - 1,
+                                                            attention=k in self.kept_attention_units)
+                        if kept_m is not None:
+                            self.kept_forward[(k, m)] = kept_m
                     else:
                         x[m] = spec.layer(p, x[m], self.pos[m], k - 1)
             self._release(k)
@@ -565,7 +571,7 @@ class StreamEngine:
                     x_in = self._layer_input(unit - 1, m).requires_grad_()
                     with autocast_ctx(self.dev.device, self.compute_dtype):
                         dx[m], layer_grads = spec.layer_grads(p, x_in, dx[m], self.pos[m], unit - 1,
-                                                              kept=self.kept_attention.pop((unit, m), None))
+                                                              kept=self.kept_forward.pop((unit, m), None))
                 acc.add(layer_grads, self._sq_norms_out(unit, m == len(dx) - 1))
                 del layer_grads, x_in
             self._release(unit)
@@ -644,7 +650,7 @@ class StreamEngine:
         del dx
         self.activations.clear()
         self.regenerated.clear()
-        self.kept_attention.clear()
+        self.kept_forward.clear()
 
         if self.dp.active:  # the norm reads the sums of squares the comm stream wrote, one rank's each: summed
             reduced = self.dev.event()
