@@ -159,6 +159,13 @@ GRIDS = {
                                  ("qwen3-30b-a3b", "bench_qwen3_30b_a3b_h200")]
         for suffix, extra in [("-eager", ["train.compile=off"]), ("-compiled", ["train.compile=on"])]
     ],
+    # gpt-oss-20b at full depth and 64K tokens a step (4 x 4096 x 4) on an 80 GB card: fits only with some held
+    # bf16 gradients on the host (engine.host_grad_units, chosen by the planner); eager, then compiled
+    "moe64k": [
+        (f"gptoss20b-stream-64k-{mode}", ["experiment=bench_gptoss20b_h200", "data=stdlib", "train.steps=4",
+                                          "train.micro_batch_size=4", "train.grad_accum=4", f"train.compile={flag}"])
+        for mode, flag in [("eager", "off"), ("compiled", "on")]
+    ],
     # qwen14b in fp32 at full depth with the moments of 18 layers in the NVMe tier (/tmp on the device)
     "nvme_qwen14b": [
         ("qwen14b-stream-64k-fp32-nvme", ["experiment=bench_qwen14b_fp32_nvme_h200", "hardware.nvme_dir=/tmp/nvme",

@@ -262,6 +262,8 @@ stage moe 'MoE GPU tests, then the eager MoE jobs' \
    grid 560 260 moe --only eager'
 stage moecompiled 'the compiled MoE jobs' \
   'grid 560 180 moe --only compiled'
+stage moe64k 'gpt-oss-20b at full depth, 64K tokens a step, held gradients partly on the host: eager, compiled' \
+  'grid 580 280 moe64k'
 stage moe20 'gpt-oss-20b at full depth, eager (JOB_S: its time limit)' \
   'grid $((${JOB_S:-280} + 20)) ${JOB_S:-280} moe --only gptoss20b-stream-16k-eager'
 stage moe30 'Qwen3-30B-A3B at full depth, eager (H200)' \

@@ -32,7 +32,8 @@ def start_banner(cfg, spec, plan, execution, run_dir, ckpt_root, start_step: int
         p = plan.placement
         lines.append(f"placement: {p.gpu_resident_units} units resident on the GPU, {p.gpu_streamed_units} streamed "
                      f"and updated there, {len(p.host_units)} updated on the host"
-                     + (f", {p.nvme_units} with moments on NVMe" if p.nvme_units else ""))
+                     + (f", {p.nvme_units} with moments on NVMe" if p.nvme_units else "")
+                     + (f", {p.host_grad_units} streamed with gradients held on the host" if p.host_grad_units else ""))
     lines.append(f"memory: GPU {plan.total('gpu') / 2**30:.1f} GiB, host {plan.total('host') / 2**30:.1f} GiB "
                  "planned")
     step_s = plan.times_s.get("step")

@@ -369,6 +369,10 @@ class EngineConfig:
     # stream: the Adam moments of the last N host-updated units live in the NVMe tier's file (hardware.nvme_dir);
     # -1: as few as the host memory plan needs (none without hardware.nvme_dir)
     nvme_units: int = -1
+    # stream, bf16 gradients (train.grad_dtype): the held gradients of the last N GPU-streamed units wait for their
+    # update in pinned host memory instead of GPU memory (2 B/param more over D2H in the backward and over H2D at
+    # the update); -1: as few as the GPU memory plan needs
+    host_grad_units: int = -1
     # stream, several ranks (torchrun): each rank holds and updates the host state of its own units only, and
     # broadcasts their weights to the others (engine/distributed.py); false: every rank holds all of it
     shard_state: bool = True
@@ -609,6 +613,11 @@ def _validate_engine(cfg: DictConfig) -> None:
         raise ConfigError(f"engine.keep_activation_layers={e.keep_activation_layers} must be <= "
                           f"model.num_hidden_layers={cfg.model.num_hidden_layers}")
     _positive("engine.nvme_units", e.nvme_units, -1)
+    _positive("engine.host_grad_units", e.host_grad_units, -1)
+    if e.host_grad_units > 0 and cfg.train.grad_dtype == "fp32":
+        raise ConfigError(f"engine.host_grad_units={e.host_grad_units} places held bf16 gradients, and "
+                          "train.grad_dtype=fp32 holds none (fp32 gradients have engine.grads_tier); use "
+                          "train.grad_dtype=bf16 or auto, or engine.host_grad_units=-1 or 0")
     inexact = _set_formats(cfg.train) if formats.fixed_inexact(cfg.train) else None
     if e.nvme_units > 0 and inexact:
         raise ConfigError(f"engine.nvme_units={e.nvme_units}: the NVMe tier holds the fp32 moments of host-updated "

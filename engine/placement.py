@@ -50,6 +50,9 @@ class Placement:
     gpu_resident_units: int = 0
     gpu_streamed_units: int = 0
     nvme_units: int = 0
+    # bf16 gradient formats: the held gradients of the last N GPU-streamed units wait for their update in pinned host
+    # memory instead of GPU memory (out over D2H in the backward, in beside the unit's state at its update)
+    host_grad_units: int = 0
 
     def __post_init__(self):
         for name in ("activation_tier", "grads_tier"):
@@ -57,7 +60,8 @@ class Placement:
                 raise ValueError(f"Placement.{name}={getattr(self, name)!r}: one of {', '.join(TIERS)}")
         if self.gpu_resident_units + self.gpu_streamed_units > self.n_units or min(
                 self.gpu_resident_units, self.gpu_streamed_units, self.nvme_units, self.keep_activation_layers,
-                self.kept_attention_layers) < 0 \
+                self.kept_attention_layers, self.host_grad_units) < 0 \
+                or self.host_grad_units > self.gpu_streamed_units \
                 or self.keep_activation_layers + self.kept_attention_layers > self.num_layers \
                 or self.recompute_group < 1 or self.slots < 1:
             raise ValueError(f"not a placement of {self.n_units} units: {self}")
@@ -82,6 +86,12 @@ class Placement:
     @property
     def gpu_updated_units(self) -> range:
         return range(0, self.streamed_units.stop)
+
+    @property
+    def host_grad_units_range(self) -> range:
+        """The GPU-streamed units whose held bf16 gradients wait in host memory: the last `host_grad_units`."""
+        streamed = self.streamed_units
+        return range(streamed.stop - self.host_grad_units, streamed.stop)
 
     @property
     def disk_units(self) -> List[int]:

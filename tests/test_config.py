@@ -305,6 +305,8 @@ BAD = {
     "engine.gpu_streamed_units": ["engine.gpu_streamed_units=-2"],
     "engine.keep_activation_layers": ["engine.keep_activation_layers=-2", "engine.keep_activation_layers=99"],
     "engine.kept_attention_layers": ["engine.kept_attention_layers=-2", "engine.kept_attention_layers=99"],
+    "engine.host_grad_units": ["engine.host_grad_units=-2", "engine.host_grad_units=x",
+                               "engine=stream engine.host_grad_units=2 train.grad_dtype=fp32"],
     "engine.nvme_units": ["engine.nvme_units=-2", "engine.nvme_units=x",
                           "engine=stream engine.nvme_units=1 train.moments_dtype=int8"],
     "engine.recompute_group": ["engine.recompute_group=0", "engine.recompute_group=-2",

@@ -221,6 +221,10 @@ STREAM_CASES = {  # format, placement of the 5 units (embedding, 3 layers, head)
     "int8-bf16-grads-all-streamed": [*FORMATS["int8"], "engine.gpu_resident_units=0", "engine.slots=2"],
     "bf16-bf16-grads-streamed": ["train.master_dtype=bf16", "train.moments_dtype=bf16", "train.grad_dtype=bf16",
                                  "engine.gpu_resident_units=3", "engine.grads_tier=gpu"],
+    # held bf16 gradients in host memory: the head's and two layers' (the shared accumulators' wire copies), then
+    # every unit's, the embedding's too
+    "int8-bf16-grads-on-host": [*FORMATS["int8"], "engine.gpu_resident_units=1", "engine.host_grad_units=3"],
+    "int8-bf16-grads-all-on-host": [*FORMATS["int8"], "engine.gpu_resident_units=0", "engine.host_grad_units=5"],
     "fp32-master-bf16-moments-kept": ["train.moments_dtype=bf16", "engine.gpu_resident_units=1",
                                       "engine.keep_activation_layers=2"],
 }
@@ -251,6 +255,12 @@ def test_the_streaming_engine_trains_a_format_as_the_plain_torch_run(name):
     (losses_r, ref), (losses_s, stream) = engines["reference"], engines["stream"]
     placement = [u for u in range(5) if u not in stream.resident_units]
     assert stream.streamed_units == placement
+    host_grads = next((int(o.split("=")[1]) for o in over if o.startswith("engine.host_grad_units=")), 0)
+    assert stream.host_held == placement[len(placement) - host_grads:]
+    if stream.held:  # those units' held gradients live in the host store's buffers, the others' on the device
+        assert all(stream.held[u].flat is stream.store.grads[u] for u in stream.host_held)
+        assert stream.memory_bytes()["device_held_grads"] == sum(
+            2 * stream.store.layouts[u].numel for u in range(5) if u not in stream.host_held)
     assert losses_r == losses_s
     opt_r, opt_s = ref.opt, stream.format_opt
     assert ref.master_weights().keys() == stream.master_weights().keys()  # applies the pending updates

@@ -132,6 +132,11 @@ FORMAT_CASES = {  # a low-precision state format (engine/formats.py) and a place
     "int8-bf16-grads-all-streamed": (["train.master_dtype=bf16", "train.moments_dtype=int8",
                                       "train.moments_block_size=64", "train.grad_dtype=bf16"],
                                      ["engine.gpu_resident_units=0", "engine.cache_weights=off"]),
+    # held gradients waiting in pinned host memory: a race (the update's H2D before the backward's D2H landed)
+    # reads last step's gradient
+    "int8-bf16-grads-on-host": (["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=bf16"],
+                                ["engine.gpu_resident_units=1", "engine.host_grad_units=4",
+                                 "engine.cache_weights=off"]),
     "int8-bf16-grads-1-resident-kept": (["train.master_dtype=bf16", "train.moments_dtype=int8",
                                          "train.grad_dtype=bf16"],
                                         ["engine.gpu_resident_units=1", "engine.keep_activation_layers=2",

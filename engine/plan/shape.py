@@ -95,9 +95,39 @@ class StepShape:
         """A host-updated unit's gradient over D2H and in host memory: fp32, or bf16 with bf16 transfer."""
         return (2 if self.grad_transfer == "bf16" else 4) * numel
 
-    def staging_bytes(self, n_res: int, n_str: int) -> int:
-        """The GPU staging buffers of the streamed units' state (engine/streaming/streamed_update.py)."""
+    def staging_bytes(self, n_res: int, n_str: int, n_host_grads: int = 0) -> int:
+        """The GPU staging buffers of the streamed units' state, and of the held gradients of the last
+        `n_host_grads` of them, which come in from the host beside it (engine/streaming/streamed_update.py)."""
         if not n_str:
             return 0
-        return min(N_STAGES, n_str) * self.fmt.state_bytes(max(self.numels[n_res:n_res + n_str]))
+        first_host_grad = n_res + n_str - n_host_grads
+        return min(N_STAGES, n_str) * max(
+            self.fmt.state_bytes(n) + (self.fmt.grad_bytes(n) if u >= first_host_grad else 0)
+            for u, n in enumerate(self.numels[n_res:n_res + n_str], n_res))
+
+    def host_grad_units(self, n_res: int, n_str: int, n_host_grads: int) -> range:
+        """The streamed units whose held bf16 gradients wait on the host: the last `n_host_grads`."""
+        return range(n_res + n_str - n_host_grads, n_res + n_str)
+
+    def host_grad_wire_bytes(self, units: range) -> int:
+        """The bf16 copies on the GPU that the D2H of `units`' held gradients reads: the embedding's and the head's
+        accumulators when they are among them, the shared pair of layer accumulators when a layer is."""
+        numel = sum(self.numels[u] for u in (0, self.L + 1) if u in units)
+        if any(1 <= u <= self.L for u in units):
+            numel += min(2, self.L) * self.layer_numel
+        return 2 * numel
+
+    def host_grads_freeing(self, n_res: int, n_str: int, short_bytes: float) -> int:
+        """The fewest streamed units (the last ones) whose held bf16 gradients, moved to the host, free
+        `short_bytes` of GPU memory net of what the move adds there (the wire copies, and at most a gradient of
+        the largest moved unit per staging buffer); 0 when no count does."""
+        moved = largest = 0
+        for n in range(1, n_str + 1):
+            units = self.host_grad_units(n_res, n_str, n)
+            moved += self.fmt.grad_bytes(self.numels[units.start])
+            largest = max(largest, self.numels[units.start])
+            added = self.host_grad_wire_bytes(units) + min(N_STAGES, n_str) * self.fmt.grad_bytes(largest)
+            if moved - added >= short_bytes:
+                return n
+        return 0
 

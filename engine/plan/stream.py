@@ -57,6 +57,11 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
         """The placement with this split and the rest of HBM spent (weights cached, gradients), or None when the
         split does not fit (unless `force`: the config fixed it, or nothing fits and the plan will say so)."""
         left = free - _split_bytes(s, n_res, n_str, grads_on_gpu, base.cache_weights)
+        n_host_grads = 0
+        if s.fmt.grad == "bf16" and not grads_on_gpu and n_str:  # held bf16 gradients may wait on the host
+            n_host_grads = min(e.host_grad_units, n_str) if e.host_grad_units >= 0 else (
+                s.host_grads_freeing(n_res, n_str, -left) if left < 0 else 0)
+            left += _host_grads_gpu_saving(s, n_res, n_str, n_host_grads)
         if left < 0 and not force:
             return None
         cached = base.cache_weights
@@ -69,10 +74,20 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
                              e.grads_tier, left)
             grads_tier = "gpu" if on else "host"
         return replace(base, cache_weights=cached, grads_tier=grads_tier, gpu_resident_units=n_res,
-                       gpu_streamed_units=n_str), left
+                       gpu_streamed_units=n_str, host_grad_units=n_host_grads), left
 
     found = [c for c in (complete(*split, force=fixed_split) for split in splits) if c is not None]
     return found, complete(*splits[0], force=True)[0]
+
+
+def _host_grads_gpu_saving(s: StepShape, n_res: int, n_str: int, n_host_grads: int) -> int:
+    """GPU bytes freed by holding the last `n_host_grads` streamed units' bf16 gradients on the host: the
+    gradients, less the wire copies their D2H reads and the staging buffers' growth."""
+    if not n_host_grads:
+        return 0
+    units = s.host_grad_units(n_res, n_str, n_host_grads)
+    return (s.fmt.grad_bytes(sum(s.numels[u] for u in units)) - s.host_grad_wire_bytes(units)
+            - s.staging_bytes(n_res, n_str, n_host_grads) + s.staging_bytes(n_res, n_str))
 
 
 def _split_bytes(s: StepShape, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:
@@ -245,8 +260,9 @@ class StreamPlanner:
             plan.add(self.compute_tier, f"{self.state_name}: {n_res} leading units resident, updated on the GPU",
                      sum(self.state_bytes[:n_res]))
         if n_str:
-            plan.add(self.compute_tier, f"staging for GPU-streamed updates (state of the largest of {n_str} units, "
-                     "x2)", self.s.staging_bytes(n_res, n_str))
+            with_grads = ", with its gradient from the host" if placement.host_grad_units else ""
+            plan.add(self.compute_tier, f"staging for GPU-streamed updates (state of the largest of {n_str} units"
+                     f"{with_grads}, x2)", self.s.staging_bytes(n_res, n_str, placement.host_grad_units))
         on_gpu = placement.activation_tier == "gpu"
         plan.add(self.compute_tier if on_gpu else "host", "layer-input activations (all micro-batches)",
                  self.activation_bytes(n_kept, g))
@@ -275,8 +291,15 @@ class StreamPlanner:
         else:
             plan.add("host", f"{s.grad_transfer} gradients of host-updated units until the global norm is known",
                      s.transfer_bytes(sum(layouts[u].numel for u in held if u >= n_gpu)))
+            host_grads = placement.host_grad_units_range
+            on_host = fmt.grad_bytes(sum(layouts[u].numel for u in host_grads))
             plan.add(tier, f"accumulators: embedding, head, 2 layers (fp32); GPU-updated layers ({fmt.grad})",
-                     self.side_grad_bytes + s.own_accumulator_bytes(n_gpu))
+                     self.side_grad_bytes + s.own_accumulator_bytes(n_gpu) - on_host)
+            if host_grads:
+                plan.add("host", f"{fmt.grad} gradients of the last {len(host_grads)} GPU-streamed units until their "
+                         "update", on_host)
+                plan.add(tier, f"{fmt.grad} copies of those gradients for the D2H (stochastic rounding)",
+                         s.host_grad_wire_bytes(host_grads))
         if n_host and s.grad_transfer == "bf16":
             # the bf16 copies the D2H reads: of the accumulators that serve host-updated units (the head, the
             # embedding when it is host-updated, the shared pair of layers when a layer is), or the fetch's pair
@@ -338,6 +361,18 @@ class StreamPlanner:
                 best, best_host = candidate, host
         return best
 
+    def fewest_host_grads(self, placement: Placement) -> Placement:
+        """A fitting `placement` with as few held gradients on the host as its exact rows allow (the search's count
+        is a conservative estimate), unless engine.host_grad_units fixes the count."""
+        if self.e.host_grad_units >= 0 or self.rows_for(placement).problem():
+            return placement
+        while placement.host_grad_units:
+            fewer = replace(placement, host_grad_units=placement.host_grad_units - 1)
+            if self.rows_for(fewer).problem():
+                break
+            placement = fewer
+        return placement
+
     def cpu_placement(self) -> Placement:
         """One memory: explicit choices are honoured so that CPU runs exercise every code path."""
         e = self.e
@@ -350,7 +385,9 @@ class StreamPlanner:
             grads_tier="gpu" if e.grads_tier == "gpu" else "host", cache_weights=e.cache_weights == "on",
             gpu_resident_units=n_res, gpu_streamed_units=min(self.streamed_default(n_res), self.n_units - n_res),
             kept_attention_layers=min(max(0, e.kept_attention_layers), self.L - max(0, e.keep_activation_layers))
-            if self.s.lean else 0))
+            if self.s.lean else 0,
+            host_grad_units=min(max(0, e.host_grad_units), self.streamed_default(n_res), self.n_units - n_res)
+            if self.fmt.grad == "bf16" and e.grads_tier != "gpu" else 0))
 
     def plan(self) -> MemoryPlan:
         unfit_note = ""
@@ -452,4 +489,4 @@ class _GpuSearch:
         if chosen is None and candidates:  # nothing fits both tiers: the closest plan, for the refusal to show
             chosen = min(candidates, key=lambda c: p.rows_for(c[0]).overflow_bytes())
         placement, free = chosen if chosen else (fallback, 0.0)
-        return p.with_kept_attention(placement, free), unfit_note
+        return p.with_kept_attention(p.fewest_host_grads(placement), free), unfit_note

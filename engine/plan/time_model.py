@@ -29,7 +29,8 @@ def predict_stream(s: StepShape, sp: Speeds, placement: Placement) -> Tuple[Dict
 
     Forward: a pipeline of four resources (H2D, D2H, host AdamW, compute) in unit order. The H2D stream brings unit
     u in (nothing for a GPU-resident unit, its fp32 master for a host-updated one, master + m + v for a GPU-streamed
-    one, whose state also goes back over D2H; both directions then share the link's bidirectional rate); a load
+    one, whose state also goes back over D2H, and whose held bf16 gradient comes in beside it when it waited on the
+    host; both directions then share the link's bidirectional rate); a load
     starts once the host AdamW has updated the unit, its slot is free (the ring holds `slots` units) and, for a
     streamed unit, its staging buffer is free (two buffers, freed by the D2H). Compute runs each unit when its
     weights are in. The host AdamW updates its units in order from the start of the forward, at its rate under PCIe
@@ -65,6 +66,9 @@ class StepTimer:
         self.streamed_s = [s.fmt.state_bytes(n) / link_each for n in numel]  # a streamed unit's state, each way
         self.master_s = [s.fmt.master_bytes(n) / sp.h2d for n in numel]  # a host-updated unit's master, or weights
         self.grad_out_s = [s.transfer_bytes(n) / sp.d2h for n in numel]  # a host-updated unit's gradient
+        # a streamed unit's held bf16 gradient that waits on the host: out in the backward, in at its update
+        self.held_grad_out_s = [s.fmt.grad_bytes(n) / sp.d2h for n in numel]
+        self.held_grad_in_s = [s.fmt.grad_bytes(n) / link_each for n in numel]
         # the host AdamW of each unit; for a unit in the NVMe tier, the longer of that and its moments' I/O
         self.adam_s = [n / sp.adam_pcie for n in numel]
         self.adam_disk_s = [max(adam, 2 * nvme_file_bytes([n]) / sp.nvme) if sp.nvme else adam
@@ -98,7 +102,8 @@ class StepTimer:
         on_disk = tuple(placement.disk_units)
         layout = (n_res, n_res + placement.gpu_streamed_units,
                   self.n_units if placement.cache_weights else placement.slots,
-                  placement.kept_layer_inputs if placement.activation_tier == "host" else range(0), on_disk)
+                  placement.kept_layer_inputs if placement.activation_tier == "host" else range(0), on_disk,
+                  placement.host_grad_units_range.start)
         if layout not in self._forwards:
             self._forwards[layout] = self._forward(*layout)
         t_fwd, host_adamw, h2d_busy, d2h_busy = self._forwards[layout]
@@ -115,10 +120,12 @@ class StepTimer:
                    "host AdamW" if not on_disk else "host AdamW + NVMe": host_total}
         return times, max(busy_by, key=busy_by.get)
 
-    def _forward(self, n_res: int, n_gpu: int, slots: int, sent_inputs: range, on_disk: Tuple[int, ...]) -> Forward:
+    def _forward(self, n_res: int, n_gpu: int, slots: int, sent_inputs: range, on_disk: Tuple[int, ...],
+                 first_host_grad: int) -> Forward:
         """The forward's pipeline (`predict_stream`) with the first `n_res` units GPU-resident, the next ones up to
-        `n_gpu` GPU-streamed, a ring of `slots`, the inputs of layers `sent_inputs` (0-based) going to the host and
-        the units `on_disk` in the NVMe tier."""
+        `n_gpu` GPU-streamed (from `first_host_grad` on with their held gradients coming in from the host), a ring
+        of `slots`, the inputs of layers `sent_inputs` (0-based) going to the host and the units `on_disk` in the
+        NVMe tier."""
         n_units, L, ranks, slow, link = self.n_units, self.L, self.ranks, self.slowdown, self.links(n_res)
         # the host AdamW updates its units (the last ones) in order from the start of the forward
         host_done, clock = [0.0] * n_units, [0.0] * ranks
@@ -140,6 +147,8 @@ class StepTimer:
                 if u - 2 >= n_res:
                     start = max(start, d2h_end[u - 2])
                 h2d_t = d2h_t = self.streamed_s[u]
+                if u >= first_host_grad:
+                    h2d_t += self.held_grad_in_s[u]
             else:
                 h2d_t = self.master_s[u]
             if start < clock[r]:
@@ -166,6 +175,7 @@ class StepTimer:
         kept_attention = placement.kept_attention_units
         activations_host = placement.activation_tier == "host"
         grads_host = placement.grads_tier == "host"
+        host_grads = placement.host_grad_units_range
         backward, bwd_compute, bwd_h2d, bwd_d2h = 0.0, 0.0, [0.0] * ranks, [0.0] * ranks
         for u in range(1, L + 1):
             kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
@@ -186,6 +196,8 @@ class StepTimer:
                     for q in range(ranks):
                         h2d[q] += (1 + len(others)) * self.layer_input_bytes / self.h2d
             grad_out = self.grad_out_s[u] if grads_host and u >= n_gpu else 0.0
+            if u in host_grads:
+                grad_out = self.held_grad_out_s[u]
             backward += max(layer_compute, max(h2d), grad_out + regenerated_out)
             bwd_compute += layer_compute
             for q in range(ranks):

@@ -177,12 +177,18 @@ class StreamEngine:
             self.owner = state_owners(spec, n_resident, dp.world)
         self.my_streamed_units, self.my_host_units, self.disk_units = (
             [u for u in units if self.owns(u)] for units in (self.streamed_units, self.host_units, disk_units))
-        self.store = HostStore(spec, pin=self.dev.cuda, grad_units=() if self.grads_on_gpu else self.my_host_units,
+        # bf16 gradient formats: the GPU-streamed units whose held gradients wait in pinned host memory
+        self.host_held = [u for u in placement.host_grad_units_range if self.owns(u)]
+        if self.host_held and self.fmt.grad != "bf16":
+            raise ValueError(f"engine.host_grad_units={placement.host_grad_units} places held bf16 gradients, and "
+                             f"train.grad_dtype={t.grad_dtype} holds none")
+        host_grad_units = self.host_held + ([] if self.grads_on_gpu else self.my_host_units)
+        self.store = HostStore(spec, pin=self.dev.cuda, grad_units=host_grad_units,
                                grad_staging=2 if self.grads_on_gpu and self.my_host_units else 0,
                                host_activation_numel=activation_numel, seed=cfg.seed,
                                host_units=self.my_streamed_units + self.my_host_units,
                                streamed_units=self.my_streamed_units, fmt=self.fmt, disk_units=self.disk_units,
-                               grad_dtype=torch.bfloat16 if self.transfer_bf16 else torch.float32)
+                               grad_dtype=torch.bfloat16 if self.transfer_bf16 or self.host_held else torch.float32)
         layouts = self.store.layouts
         self.nvme: Optional[MomentFile] = None
         if self.disk_units:
@@ -204,7 +210,8 @@ class StreamEngine:
         self.comm = self.dev.new_stream() if dp.active else None
         self.timer = StallTimer(self.dev)
         self.streamed = StreamedUpdater(self.dev, self.h2d, self.d2h, layouts, self.my_streamed_units,
-                                        {k: [st[k] for st in states] for k in states[0]}, self.timer)
+                                        {k: [st[k] for st in states] for k in states[0]}, self.timer,
+                                        {u: self.store.grads[u] for u in self.host_held})
         # a streamed unit's update runs over its GPU staging views (fp32: the AdamW is built over them; a format:
         # they are passed to each update), the others' over their own buffers
         self.opt, self.format_opt = None, None
@@ -246,20 +253,24 @@ class StreamEngine:
         fused = cfg.engine.fused_kernels
         # with bf16 transfer, the accumulators whose gradients go to the host D2H carry a bf16 wire copy; with
         # gradients on the GPU, the optimizer's fetch rounds into a pair of bf16 buffers instead (`_optimizer_pass`)
-        wire = self.transfer_bf16 and not self.grads_on_gpu
+        # (a unit's held bf16 gradient that waits on the host is rounded into its accumulator's wire copy too)
+        wired = set(self.host_units if self.transfer_bf16 and not self.grads_on_gpu else ()) | set(self.host_held)
         self.acc: Dict[int, GradAccumulator] = {
-            u: GradAccumulator(self.dev, layouts[u], fused, wire=wire and u in self.host_units) for u in (0, L + 1)}
+            u: GradAccumulator(self.dev, layouts[u], fused, wire=u in wired) for u in (0, L + 1)}
         # bf16 gradients (a format's train.grad_dtype): every unit's gradient is held as a stochastically rounded
-        # bf16 copy until its update; the layers accumulate in fp32 in a shared pair, as with gradients on the host
+        # bf16 copy until its update (in GPU memory, or for `host_held` units in the host store's gradient buffers);
+        # the layers accumulate in fp32 in a shared pair, as with gradients on the host
         self.held: Dict[int, GradAccumulator] = {}
         if self.fmt.grad == "bf16":
-            self.held = {u: GradAccumulator(self.dev, layouts[u], fused, torch.bfloat16) for u in range(n_units)}
+            self.held = {u: GradAccumulator(self.dev, layouts[u], fused, torch.bfloat16,
+                                            home=self.store.grads[u] if u in self.host_held else None)
+                         for u in range(n_units)}
         shared_layer_accs = not self.grads_on_gpu or self.held
         # GPU-updated layers need their own accumulators only when the other layers share a ring
         self.device_accs = {} if self.grads_on_gpu or self.held else {
             u: GradAccumulator(self.dev, layouts[u], fused) for u in sorted(self.gpu_updated) if 0 < u <= L}
         n_layer_accs = min(2, L) if shared_layer_accs else L
-        self.layer_accs = [GradAccumulator(self.dev, layer_layouts[0], fused, wire=wire and self.host_units[0] <= L)
+        self.layer_accs = [GradAccumulator(self.dev, layer_layouts[0], fused, wire=any(0 < u <= L for u in wired))
                            for _ in range(n_layer_accs)]
         self.wire_pair: List[torch.Tensor] = []
         if self.transfer_bf16 and self.grads_on_gpu:
@@ -456,11 +467,12 @@ class StreamEngine:
         squares (data parallel: one rank does)."""
         if grad_hook is not None:
             grad_hook(unit, acc.views)
+        if unit in self.host_held:
+            self._hold_on_host(unit, acc, norms)
+            return
         if self.held:  # round into the unit's held bf16 copy, keyed as engine=reference keys it; free the accumulator
-            held = self.held[unit]
-            held.claim(self.timer, lambda: self._check_optimizer(f"reading the gradient of unit {unit}"))
-            opt = self.format_opt
-            to_bf16_stochastic(acc.flat, held.flat, update_seed(opt.seed, unit, opt.steps[unit] + 1) ^ GRAD_STREAM)
+            held = self._claim_held(unit)
+            to_bf16_stochastic(acc.flat, held.flat, self._held_seed(unit))
             acc.hand_off()
             acc.read_queued(None)
             acc = held
@@ -478,6 +490,36 @@ class StreamEngine:
             self.store.grads[unit].copy_(src, non_blocking=True)
             landed.record(self.d2h)
         acc.read_queued(self.d2h)
+        self.grad_landed[unit] = landed
+
+    def _claim_held(self, unit: int) -> GradAccumulator:
+        held = self.held[unit]
+        held.claim(self.timer, lambda: self._check_optimizer(f"reading the gradient of unit {unit}"))
+        return held
+
+    def _held_seed(self, unit: int) -> int:
+        """The key of the rounding of unit's held bf16 gradient: engine=reference's for the same unit and step."""
+        opt = self.format_opt
+        return update_seed(opt.seed, unit, opt.steps[unit] + 1) ^ GRAD_STREAM
+
+    def _hold_on_host(self, unit: int, acc: GradAccumulator, norms: bool) -> None:
+        """A `host_held` unit's finished gradient: rounded into the accumulator's bf16 wire copy (the held copy's
+        key), its sums of squares taken there, then copied over D2H into its host buffer, where the unit's update
+        fetches it (`StreamedUpdater.update`); the accumulator is free again once that copy is done."""
+        held = self._claim_held(unit)
+        rounded = to_bf16_stochastic(acc.flat, acc.wire, self._held_seed(unit))
+        if norms:
+            self.sq_slices[unit].copy_(optim.sq_norms(list(acc.layout.views(rounded).values())))
+        acc.hand_off()
+        done, landed = self.dev.event(), self.dev.event()
+        done.record()
+        with self.dev.on(self.d2h), self.timer.busy(self.d2h, "d2h"):
+            self.dev.wait_event(self.d2h, done)
+            held.flat.copy_(rounded, non_blocking=True)
+            landed.record(self.d2h)
+        acc.read_queued(self.d2h)
+        held.hand_off()
+        self.gpu_grads[unit] = held
         self.grad_landed[unit] = landed
 
     def _transfer_seed(self, unit: int) -> int:
@@ -691,7 +733,8 @@ class StreamEngine:
         if skipped:
             self.streamed.skip(self.gpu_grads)
         elif self.my_streamed_units:  # updated when the next forward loads them (streamed_update.py)
-            self.streamed.submit(self.gpu_grads, coef_dev, scale, lr)
+            self.streamed.submit(self.gpu_grads, coef_dev, scale, lr,
+                                 {u: self.grad_landed[u] for u in self.host_held})
         for unit in self.streamed_units:
             self.updated[unit].set()
         self.pending = self.pool.submit(self._optimizer_pass, coef, lr, skipped, dict(self.gpu_grads),
@@ -904,7 +947,8 @@ class StreamEngine:
         out["device_grad_accumulators"] = sum(4 * a.flat.numel() for a in accs)
         out["device_optimizer_state"] = sum(t.numel() * t.element_size() for u in self.resident_units
                                             for t in self._state_tensors(u))
-        out["device_held_grads"] = sum(h.flat.numel() * h.flat.element_size() for h in self.held.values())
+        out["device_held_grads"] = sum(h.flat.numel() * h.flat.element_size() for u, h in self.held.items()
+                                       if u not in self.host_held)
         out["device_streamed_state_staging"] = self.streamed.bytes
         wires = [*self.wire_pair, *(a.wire for a in accs if a.wire is not None)]
         out["device_grad_transfer"] = sum(2 * w.numel() for w in wires)

@@ -66,7 +66,7 @@ class HostStore:
                  disk_units: Sequence[int] = (), grad_dtype: torch.dtype = torch.float32):
         """`host_units`: the units whose state lives here (default all); the others get empty placeholders (their
         state lives in GPU memory, owned by the engine). `grad_units`: the units whose gradients wait here for the
-        global norm. `streamed_units`: units updated on the GPU from this state, whose moments (and int8 scales)
+        global norm (streamed units among them: their held bf16 gradients, until their update on the GPU). `streamed_units`: units updated on the GPU from this state, whose moments (and int8 scales)
         cross the link too and are therefore pinned like the master. `fmt`: the state format (default fp32); a
         bf16 master is initialised in fp32 and rounded to nearest, as `optim.FormatAdamW.from_masters` does.
         `disk_units`: host units whose m and v live in the NVMe tier's file (engine/streaming/nvme.py): they get
@@ -102,7 +102,8 @@ class HostStore:
                              for _ in range(grad_staging)]
         to_pin += self.grad_staging
         self.grad_upcast = None
-        if grad_dtype != torch.float32 and (grad_units or grad_staging):
+        host_updated_grads = set(grad_units) - set(streamed_units)  # the others' held bf16 copies go to the GPU
+        if grad_dtype != torch.float32 and (host_updated_grads or grad_staging):
             self.grad_upcast = self._alloc("grad_upcast", max(host_updated))
         self.activations = None
         if host_activation_numel:

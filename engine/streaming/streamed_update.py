@@ -15,6 +15,9 @@ Cost per parameter in fp32 state: 12 B over H2D instead of the 4 B of a plain lo
 HBM traffic for the AdamW kernel (milliseconds per layer), no CPU time; a format moves its own bytes per parameter
 (bf16 master + int8 moments: 4 B each way). GPU memory: two staging buffers of the largest streamed unit's state,
 and the unit's gradient (its fp32 accumulator, or the bf16 copy held for it), from its backward to its next forward.
+A bf16 held gradient may instead wait in pinned host memory (`host_grads`, `engine.host_grad_units`): it then comes
+in over H2D into the staging buffer behind the unit's state (2 B/param more H2D, and the same again over D2H in the
+backward), and the GPU holds none of it between the backward and the update.
 
 The format kernel reads the learning rate from a device scalar that the engine refills at the end of every step on
 the compute stream. That refill cannot overtake a queued update's read: every streamed update of step t is queued
@@ -68,35 +71,48 @@ class StateStage:
 
 class StreamedUpdater:
     def __init__(self, dev: Device, h2d_stream, d2h_stream, layouts: List[UnitLayout], units: Sequence[int],
-                 homes: Dict[str, List[torch.Tensor]], timer: StallTimer):
+                 homes: Dict[str, List[torch.Tensor]], timer: StallTimer,
+                 host_grads: Optional[Dict[int, torch.Tensor]] = None):
         """`homes`: state name ("master" first, then "m", "v", ...) -> per-unit pinned host buffers (the streamed
-        units' entries are used)."""
+        units' entries are used). `host_grads`: the units whose held gradient waits in this pinned host buffer; it
+        comes into the staging buffer beside the state."""
         self.dev, self.h2d, self.d2h, self.layouts, self.timer = dev, h2d_stream, d2h_stream, layouts, timer
         self.units = list(units)
         self.homes = homes
-        nbytes = max((sum(_aligned(h[u].numel() * h[u].element_size()) for h in homes.values()) for u in self.units),
+        self.host_grads = host_grads or {}
+        nbytes = max((sum(_aligned(t.numel() * t.element_size()) for t in self._staged(u)) for u in self.units),
                      default=0)
         self.stages = [StateStage(dev, nbytes) for _ in range(min(N_STAGES, len(self.units)))]
         self.stage_of = {u: self.stages[rank % len(self.stages)] for rank, u in enumerate(self.units)}
         self.landed: Dict[int, object] = {}  # unit -> event: its state is back home
         self.pending: Dict[int, GradAccumulator] = {}  # units whose update of the last step has not run yet
+        self.grad_landed: Dict[int, object] = {}  # host_grads unit -> event: its gradient is in its host buffer
         self.coef: Optional[torch.Tensor] = None
         self.scale = False
         self.lr = 0.0
         self.grads_final = None
 
+    def _staged(self, unit: int) -> List[torch.Tensor]:
+        """The host buffers whose copies share unit's staging buffer: its state, then its gradient if on the host."""
+        return [self.homes[k][unit] for k in self.homes] + ([self.host_grads[unit]] if unit in self.host_grads else [])
+
     def state_views(self, unit: int) -> Dict[str, torch.Tensor]:
         """The unit's state by name as GPU views of its staging buffer (what its update runs over)."""
-        names = list(self.homes)
-        return dict(zip(names, self.stage_of[unit].views([self.homes[k][unit] for k in names])))
+        return dict(zip(self.homes, self.stage_of[unit].views(self._staged(unit))))
+
+    def _grad_view(self, unit: int) -> torch.Tensor:
+        """The GPU view of unit's staging buffer its host-held gradient comes into."""
+        return self.stage_of[unit].views(self._staged(unit))[-1]
 
     @property
     def bytes(self) -> int:
         return sum(s.raw.numel() for s in self.stages)
 
-    def submit(self, grads: Dict[int, GradAccumulator], coef: torch.Tensor, scale: bool, lr: float) -> None:
+    def submit(self, grads: Dict[int, GradAccumulator], coef: torch.Tensor, scale: bool, lr: float,
+               grad_landed: Optional[Dict[int, object]] = None) -> None:
         """After the backward of a step that is not skipped: the streamed units' updates are due. Records the event
-        the updates wait for (the gradients and `coef` are final on the compute stream)."""
+        the updates wait for (the gradients and `coef` are final on the compute stream); `grad_landed`: per
+        `host_grads` unit, the event after its gradient's D2H copy."""
         if self.pending:
             raise RuntimeError(f"streamed updates of units {sorted(self.pending)} were never applied")
         self.grads_final = self.dev.event()
@@ -104,6 +120,7 @@ class StreamedUpdater:
         self.dev.record_stream(coef, self.h2d)
         self.pending = {u: grads[u] for u in self.units}
         self.coef, self.scale, self.lr = coef, scale, lr
+        self.grad_landed = dict(grad_landed or {})
 
     def update(self, unit: int, step, slot: Optional[Slot]) -> None:
         """Queue unit's update (and, with a slot, the cast of its fresh weights into it); see the module doc.
@@ -120,8 +137,13 @@ class StreamedUpdater:
                 self.dev.wait_event(self.h2d, self.landed[unit])
             for part, home in zip(parts, homes):
                 part.copy_(home, non_blocking=True)
+            grad = acc.flat
+            if unit in self.host_grads:
+                self.dev.wait_event(self.h2d, self.grad_landed.pop(unit))
+                grad = self._grad_view(unit)
+                grad.copy_(acc.flat, non_blocking=True)
             self.dev.wait_event(self.h2d, self.grads_final)
-            step(unit, acc.flat, views, self.coef, self.scale, self.lr)
+            step(unit, grad, views, self.coef, self.scale, self.lr)
             acc.read_queued(self.h2d)
             if slot is not None:
                 self.dev.wait_event(self.h2d, slot.free)
