@@ -113,7 +113,7 @@ class StepShape:
         """The bf16 copies on the GPU that the D2H of `units`' held gradients reads: the embedding's and the head's
         accumulators when they are among them, the shared pair of layer accumulators when a layer is."""
         numel = sum(self.numels[u] for u in (0, self.L + 1) if u in units)
-        if any(1 <= u <= self.L for u in units):
+        if units and units.start <= self.L and units.stop > 1:  # a decoder layer among them
             numel += min(2, self.L) * self.layer_numel
         return 2 * numel
 
