@@ -10,6 +10,7 @@ the streaming engine's recompute that reuses the forward's routing (`ModelSpec.f
 - With the routing kept, the recompute runs no top-k and no sort; it routes as the forward did even where a fresh
   routing would choose other experts.
 - The planner's recompute leaves the down projection's FLOPs out for MoE layers as for dense ones.
+- torch.compile's graph capture of these templates (AOT autograd, no Inductor) equals eager bit for bit.
 """
 
 from __future__ import annotations
@@ -148,3 +149,30 @@ def test_planner_leaves_the_moe_down_projection_out_of_the_recompute():
     assert spec.recompute_skipped_flops_per_token(chunked_mlp=False) == 2 * a.top_k * a.expert_intermediate * a.hidden
     assert spec.recompute_skipped_flops_per_token(chunked_mlp=True) == 0
     assert spec.recompute_skipped_flops_per_token(chunked_mlp=False, lean_layer=True) == 0
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe_1layer", "gpt_oss_1layer"])
+def test_the_traced_templates_equal_eager_under_bf16_autocast(case):
+    """torch.compile's graph capture of the MoE templates (the plain layer with its `_WeightedDown` Function, the
+    recompute up to the down projection, the hand backward), through AOT autograd without Inductor: the forward,
+    the recompute's gradients and autograd's through the plain layer equal eager's bit for bit."""
+    spec, params, x, dy, pos = _layer_case(case)
+    params = {k: v.detach().to(torch.bfloat16 if v.dim() > 1 else torch.float32).requires_grad_()
+              for k, v in params.items()}
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():
+                y, kept = spec.forward_keeping(params, x, pos, 0)
+            dx, grads, _ = _recomputed_layer(spec, params, x, dy, pos, kept)
+            dx_a, grads_a, _ = _autograd_layer(spec, params, x, dy, pos)
+        return [y, dx, dx_a, *grads.values(), *grads_a.values()]
+
+    def traced(fn):
+        return torch.compile(fn, backend="aot_eager_decomp_partition", dynamic=False)
+
+    eager = run()
+    torch._dynamo.reset()
+    spec._layer_fn, spec._moe_to_down_fn = traced(moe.decoder_layer), traced(moe.layer_to_down_proj)
+    spec._moe_down_backward_fn = traced(moe.weighted_down_backward)
+    assert all(torch.equal(a, b) for a, b in zip(run(), eager))
