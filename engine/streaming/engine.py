@@ -55,7 +55,9 @@ the planner gives none to the host): master and moments live in the formats, in 
 (streamtrain_kernels/adamw_update.py, which applies the clip coefficient itself), and slots are filled from the
 low-precision master as from an fp32 one. With bf16 gradients the layers accumulate in a shared fp32 pair and each
 unit's finished gradient is rounded stochastically into a bf16 copy held until its update (keyed as
-engine=reference keys it, so both engines round alike); the norms are of the rounded copies, taken by
+engine=reference keys it, so both engines round alike), in GPU memory or, for the last `host_grad_units` streamed
+units, in pinned host memory: rounded into its accumulator's wire copy and sent over D2H (`_hold_on_host`), then
+fetched beside the unit's state at its update (engine/streaming/streamed_update.py); the norms are of the rounded copies, taken by
 `optim.sq_norms` in a pass of their own (2 B/element): the rounding kernel works on the flat buffer without the
 layout's tensor boundaries, and the fp32 path is the one whose speed matters.
 
