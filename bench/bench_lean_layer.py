@@ -61,7 +61,7 @@ def _step_fn(spec, T: int, torch):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             with torch.no_grad():
                 if kept_output:
-                    kept = spec.layer_keeping_attention(p, x, pos, 0)[1]
+                    kept = spec.forward_keeping(p, x, pos, 0, attention=True)[1]
                 else:
                     spec.layer(p, x, pos, 0)
             return spec.layer_grads(p, x.detach().requires_grad_(), dy.clone(), pos, 0, kept=kept)

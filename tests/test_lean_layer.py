@@ -243,7 +243,7 @@ def test_the_planner_counts_the_lean_layers_working_set():
 @pytest.mark.gpu
 @pytest.mark.parametrize("docs", [False, True], ids=["one-doc", "packed"])
 def test_gpu_compiled_lean_layer_is_within_twice_the_plain_layers_bf16_error(docs):
-    """On the GPU, compiled as the engine runs it (`ModelSpec.layer_keeping_attention`, then `layer_grads` from the
+    """On the GPU, compiled as the engine runs it (`ModelSpec.forward_keeping`, then `layer_grads` from the
     kept output), bf16 weights under autocast, 2 x 4099 tokens in 2000-token chunks: the lean layer's output and
     gradients against an fp32 plain layer, within 2x the bf16 plain layer's own error (+ a floor)."""
     T = 4099
@@ -267,7 +267,7 @@ def test_gpu_compiled_lean_layer_is_within_twice_the_plain_layers_bf16_error(doc
         spec.set_layer_compute(LayerCompute(attention="triton", mlp_chunk_tokens=2000, lean=True))
         spec.compile_templates()
         with torch.no_grad():
-            y, kept = spec.layer_keeping_attention(p16, x, pos, 0)
+            y, kept = spec.forward_keeping(p16, x, pos, 0, attention=True)
         dx, g = spec.layer_grads(p16, x, dy.clone(), pos, 0, kept=kept)
     _assert_within_twice_the_plain_error((y, dx, g), (y_ref, dx_ref, g_ref), (y32, dx32, g32))
 
