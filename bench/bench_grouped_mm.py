@@ -8,7 +8,8 @@ A MoE layer's experts are two grouped matmuls (gate/up [N*k, D] x [E, D, 2I], do
 token rows sorted by expert, plus the sort, gather, SwiGLU and weighted scatter around them (engine/model/moe.py
 `experts`). Each row times, at one model's shapes, `--tokens` tokens a step and one routing:
   experts   `moe.experts` as training runs it (sort, gather, grouped matmuls, activation, scatter), forward +
-            backward (input and weight gradients) under bf16 autocast with bf16 weights
+            backward (input and weight gradients) under bf16 autocast with bf16 weights, eager
+  experts_compiled  the same through torch.compile (as the compiled layer runs it; the first call compiles)
   grouped   the two grouped matmuls alone on pre-sorted rows, forward + backward
   dense     two plain matmuls of the same FLOPs ([N*k, D] x [D, 2I] and [N*k, I] x [I, D]), forward + backward:
             what the expert compute would cost at dense-matmul efficiency
@@ -107,9 +108,16 @@ def run_case(model: str, tokens: int, routing: str, dry_run: bool) -> dict:
     dense1 = torch.randn(D, 2 * I, generator=gen).to(device, dtype).requires_grad_()
     dense2 = torch.randn(I, D, generator=gen).to(device, dtype).requires_grad_()
 
-    def experts_step():
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=not dry_run):
-            out = moe.experts(p, y, weights, moe.sort_choices(chosen, load), a, dtype)
+    def sorted_experts(p, y, weights, chosen, load):
+        return moe.experts(p, y, weights, moe.sort_choices(chosen, load), a, dtype)
+
+    # as a compiled layer runs it: Inductor fuses the sort, gathers, activation and weighting around the grouped
+    # matmuls (the dry run only traces it, through AOT autograd under bf16 autocast, which grouped_mm's trace needs)
+    compiled_experts = torch.compile(sorted_experts, dynamic=False, backend="aot_eager" if dry_run else "inductor")
+
+    def experts_step(fn=sorted_experts, autocast=not dry_run):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = fn(p, y, weights, chosen, load)
         torch.autograd.grad(out, [y, *p.values()], dy)
 
     def grouped_step():
@@ -121,7 +129,8 @@ def run_case(model: str, tokens: int, routing: str, dry_run: bool) -> dict:
         torch.autograd.grad((h, o), [rows_in, act_in, dense1, dense2], (d1, d2))
 
     times = {name: _median_ms(fn, dry_run)
-             for name, fn in (("experts", experts_step), ("grouped", grouped_step), ("dense", dense_step))}
+             for name, fn in (("experts", experts_step), ("grouped", grouped_step), ("dense", dense_step),
+                              ("experts_compiled", lambda: experts_step(compiled_experts, autocast=True)))}
     row = {"bench": "grouped_mm", "model": model, "tokens": tokens, "routing": routing, "experts": E, "top_k": k,
            "hidden": D, "expert_intermediate": I, "rows": rows_n, "max_rows_per_expert": int(load.max()),
            "empty_experts": int((load == 0).sum()), "flops": flops, "dry_run": dry_run}
@@ -129,6 +138,7 @@ def run_case(model: str, tokens: int, routing: str, dry_run: bool) -> dict:
         row[f"{name}_ms"] = ms
         row[f"{name}_tflops"] = flops / ms / 1e9
     row["experts_vs_dense"] = times["dense"] / times["experts"]
+    row["experts_compiled_vs_dense"] = times["dense"] / times["experts_compiled"]
     row["grouped_vs_dense"] = times["dense"] / times["grouped"]
     return row
 
@@ -154,7 +164,7 @@ def main(argv=None) -> int:
     env = run_environment()
     rows = []
     print(f"{'model':14s} {'tokens':>7s} {'routing':8s} {'experts ms':>11s} {'grouped ms':>11s} {'dense ms':>9s} "
-          f"{'experts/dense':>13s} {'grouped/dense':>13s}", flush=True)
+          f"{'experts/dense':>13s} {'compiled/dense':>14s} {'grouped/dense':>13s}", flush=True)
     for model in args.models:
         for tokens in args.tokens:
             for routing in args.routing:
@@ -162,6 +172,7 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{model:14s} {row['tokens']:7d} {routing:8s} {row['experts_ms']:11.3f} "
                       f"{row['grouped_ms']:11.3f} {row['dense_ms']:9.3f} {row['experts_vs_dense']:13.2f} "
+                      f"{row['experts_compiled_vs_dense']:14.2f} "
                       f"{row['grouped_vs_dense']:13.2f}", flush=True)
     write_rows(Path(args.out), rows)
     print(f"{len(rows)} rows -> {args.out}")

@@ -14,7 +14,7 @@ def test_dry_run_writes_a_row_per_model_and_routing(tmp_path):
     assert [r["routing"] for r in rows] == ["uniform", "skewed"]
     for r in rows:
         assert r["dry_run"] and r["rows"] == 48 * r["top_k"] and r["flops"] > 0
-        for name in ("experts", "grouped", "dense"):
+        for name in ("experts", "grouped", "dense", "experts_compiled"):
             assert r[f"{name}_ms"] > 0 and r[f"{name}_tflops"] > 0
         assert {"gpu", "torch", "git_sha", "date"} <= set(r)
 
