@@ -221,10 +221,9 @@ STREAM_CASES = {  # format, placement of the 5 units (embedding, 3 layers, head)
     "int8-bf16-grads-all-streamed": [*FORMATS["int8"], "engine.gpu_resident_units=0", "engine.slots=2"],
     "bf16-bf16-grads-streamed": ["train.master_dtype=bf16", "train.moments_dtype=bf16", "train.grad_dtype=bf16",
                                  "engine.gpu_resident_units=3", "engine.grads_tier=gpu"],
-    # held bf16 gradients in host memory: the head's and two layers' (the shared accumulators' wire copies), then
-    # every unit's, the embedding's too
-    "int8-bf16-grads-on-host": [*FORMATS["int8"], "engine.gpu_resident_units=1", "engine.host_grad_units=3"],
-    "int8-bf16-grads-all-on-host": [*FORMATS["int8"], "engine.gpu_resident_units=0", "engine.host_grad_units=5"],
+    # held bf16 gradients in host memory: the last 4 streamed units' (the head's accumulator and the shared pair of
+    # layer accumulators get wire copies); the streamed embedding's stays on the device
+    "int8-bf16-grads-on-host": [*FORMATS["int8"], "engine.gpu_resident_units=0", "engine.host_grad_units=4"],
     "fp32-master-bf16-moments-kept": ["train.moments_dtype=bf16", "engine.gpu_resident_units=1",
                                       "engine.keep_activation_layers=2"],
 }

@@ -151,7 +151,7 @@ def test_planner_leaves_the_moe_down_projection_out_of_the_recompute():
     assert spec.recompute_skipped_flops_per_token(chunked_mlp=False, lean_layer=True) == 0
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe_1layer", "gpt_oss_1layer"])
+@pytest.mark.parametrize("case", ["gpt_oss_1layer"])  # the biased layout: the Function's every input
 def test_the_traced_templates_equal_eager_under_bf16_autocast(case):
     """torch.compile's graph capture of the MoE templates (the plain layer with its `_WeightedDown` Function, the
     recompute up to the down projection, the hand backward), through AOT autograd without Inductor: the forward,
