@@ -18,10 +18,11 @@ import torch
 
 from engine.config import MOE_MODEL_TYPES, ConfigError
 from engine.model import dense, lean, moe
+from engine.model.dense import backprop
 from engine.model.layout import ParamSpec, UnitLayout
 from engine.model.rope import Positions, rope_tables
 
-__all__ = ["ModelSpec", "Unit", "ParamSpec", "UnitLayout", "Positions"]
+__all__ = ["ModelSpec", "Unit", "ParamSpec", "UnitLayout", "Positions", "backprop"]
 
 
 @dataclass
@@ -34,13 +35,6 @@ class Unit:
     @property
     def name(self) -> str:
         return f"layer{self.layer}" if self.kind == "layer" else self.kind
-
-
-def backprop(y: torch.Tensor, x_in: torch.Tensor, p: Dict[str, torch.Tensor], dy: torch.Tensor):
-    """(d x_in, {name: gradient} for every tensor of p) of an output y computed with autograd from x_in and p."""
-    names = list(p)
-    grads = torch.autograd.grad(y, [x_in] + [p[n] for n in names], grad_outputs=dy)
-    return grads[0], dict(zip(names, grads[1:]))
 
 
 class ModelSpec:
@@ -185,7 +179,7 @@ class ModelSpec:
         y, aux, load, _ = self._layer_fn(p, x_BTD, pos, self.arch, self.compute, self.layer_windows[layer])
         return self.router_stats.attach(y, aux, load, layer)
 
-    def _balance(self, layer: int) -> Optional[lean.Balance]:
+    def _balance(self, layer: int) -> Optional[moe.Balance]:
         """The lean MoE layer's hook for its balance term: records it and returns its weight (`RouterStats`)."""
         if not self.moe:
             return None

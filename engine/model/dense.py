@@ -289,6 +289,14 @@ def down_proj_backward(dy_BTD: torch.Tensor, act_BTI: torch.Tensor, down_w: torc
     return d_act, g_ND.t().mm(act_NI).to(down_w.dtype)
 
 
+def backprop(y, x_in: torch.Tensor, p: Dict[str, torch.Tensor], dy):
+    """(d x_in, {name: gradient} for every tensor of p) of an output y (or a tuple of outputs, dy then a tuple of
+    their gradients) computed with autograd from x_in and p."""
+    names = list(p)
+    grads = torch.autograd.grad(y, [x_in] + [p[n] for n in names], grad_outputs=dy)
+    return grads[0], dict(zip(names, grads[1:]))
+
+
 def _lm_weight(p: Params, tied_weight: Optional[torch.Tensor]) -> torch.Tensor:
     return tied_weight if tied_weight is not None else p[LM_HEAD]
 

@@ -183,11 +183,8 @@ def lean_forward(p: Params, x_BTD: torch.Tensor, pos: Positions, a, chunk_tokens
     return y, (KeptAttention(out, lse) if keep else None)
 
 
-Balance = moe.Balance
-
-
 def _balance_grad(p: Params, x_BTD: torch.Tensor, out_BHTD: torch.Tensor, a, chunk_tokens: int,
-                  balance: Balance) -> torch.Tensor:
+                  balance: moe.Balance) -> torch.Tensor:
     """A MoE layer's balance term: routes every chunk without autograd for the layer's load and probability sums,
     hands the term to `balance`, and returns its gradient on each chunk's probability sums, weight * E * f / N
     (fp32 [E], f = load / N the layer's expert fractions: the term is E * sum_e f_e * prob_sum_e / N)."""
@@ -212,7 +209,7 @@ def _accumulate(total: Dict[str, torch.Tensor], names, grads) -> None:
 
 def lean_backward(p: Params, x_BTD: torch.Tensor, dy_BTD: torch.Tensor, pos: Positions, a, chunk_tokens: int,
                   window: Optional[int] = None, kept: Optional[KeptAttention] = None, fns: ChunkFns = ChunkFns(),
-                  in_place: bool = False, balance: Optional[Balance] = None):
+                  in_place: bool = False, balance: Optional[moe.Balance] = None):
     """(d x [B, T, D], {name: fp32 gradient} for every tensor of p) of `lean_forward` at x for the output gradient dy.
     `kept`: the forward's attention output and log-sum-exp (else attention's forward runs again); its output tensor
     is overwritten (dq is written over it). `in_place`: d x is written over dy (a caller that no longer needs dy
@@ -289,7 +286,7 @@ class _LeanLayer(torch.autograd.Function):
 
 def lean_layer(p: Params, x_BTD: torch.Tensor, pos: Positions, a, chunk_tokens: int,
                window: Optional[int] = None, fns: ChunkFns = ChunkFns(),
-               balance: Optional[Balance] = None) -> torch.Tensor:
+               balance: Optional[moe.Balance] = None) -> torch.Tensor:
     """The decoder layer (dense or MoE), lean: differentiable in x and p when autograd is on (the backward reuses
     the forward's attention output; a MoE layer's adds its balance term's gradient, `balance` giving its weight),
     `lean_forward` without it."""

@@ -152,10 +152,14 @@ def route(p: Params, y_ND: torch.Tensor, a: MoeArch, chosen_Nk: Optional[torch.T
 def routing_sums(logits_NE: torch.Tensor, chosen_Nk: torch.Tensor, experts: int):
     """(choices per expert [E] int64, router probabilities summed over the N tokens [E] fp32): what the balance
     loss needs from a run of tokens; sums over chunks are the sums over their union."""
-    probs = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
     load = torch.zeros(experts, dtype=torch.int64, device=chosen_Nk.device)
     load.scatter_add_(0, chosen_Nk.reshape(-1), torch.ones_like(chosen_Nk.reshape(-1)))
-    return load, probs.sum(dim=0)
+    return load, router_prob_sum(logits_NE)
+
+
+def router_prob_sum(logits_NE: torch.Tensor) -> torch.Tensor:
+    """[E] fp32: the router probabilities (softmax over all E) summed over the N tokens."""
+    return torch.softmax(logits_NE, dim=-1, dtype=torch.float32).sum(dim=0)
 
 
 def balance_loss(load_E: torch.Tensor, prob_sum_E: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -219,9 +223,6 @@ class KeptRouting(NamedTuple):
     order: torch.Tensor  # [N*k] int64: the (token * k + slot) choice in each expert-sorted row
     load: torch.Tensor  # [E] int64: rows per expert, the grouped matmuls' group sizes
 
-    def nbytes(self) -> int:
-        return self.order.nbytes + self.load.nbytes
-
 
 def kept_routing_bytes(a: MoeArch, tokens: int) -> int:
     """The bytes of one layer's `KeptRouting` over `tokens` tokens."""
@@ -257,14 +258,10 @@ def chosen_experts(rows: ExpertRows, k: int) -> torch.Tensor:
     return rows.expert_of_row[rows.unsort].view(-1, k)
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return autocast_dtype(t.device.type, t.dtype)
-
-
 def expert_activations(p: Params, y_ND: torch.Tensor, rows: ExpertRows, a: MoeArch) -> torch.Tensor:
     """[R, I] the input of the down projection in each row: the gate/up grouped matmul on the gathered tokens, its
     bias (gpt-oss) and the expert activation, in the compute dtype."""
-    dtype = _compute_dtype(y_ND)
+    dtype = autocast_dtype(y_ND.device.type, y_ND.dtype)
     w1 = p["mlp.experts.gate_up_proj"].to(dtype)
     if not a.gpt_oss:  # stored as [E, out, in] (x @ W^T)
         w1 = w1.transpose(1, 2)
@@ -355,10 +352,13 @@ def routing(p: Params, x_ND: torch.Tensor, a: MoeArch, kept: Optional[KeptRoutin
     router probabilities summed over the tokens [E]) (`route`, `routing_sums`). Given `kept`, the forward's
     routing is reused: no top-k, no sort."""
     y_ND = dense.rms_norm(x_ND, p["post_attention_layernorm.weight"], a.eps)
-    rows = None if kept is None else expert_rows(kept, a.top_k)
-    logits, weights, chosen = route(p, y_ND, a, None if rows is None else chosen_experts(rows, a.top_k))
+    if kept is not None:  # the load is the kept one
+        rows = expert_rows(kept, a.top_k)
+        logits, weights, _ = route(p, y_ND, a, chosen_experts(rows, a.top_k))
+        return y_ND, weights, rows, router_prob_sum(logits)
+    logits, weights, chosen = route(p, y_ND, a)
     load, prob_sum = routing_sums(logits, chosen, a.experts)
-    return y_ND, weights, rows if rows is not None else sort_choices(chosen, load), prob_sum
+    return y_ND, weights, sort_choices(chosen, load), prob_sum
 
 
 def routed_block(p: Params, x_ND: torch.Tensor, a: MoeArch):
@@ -439,17 +439,15 @@ def layer_backward(p: Params, x_BTD: torch.Tensor, dy_BTD: torch.Tensor, pos: Po
                                                           weights_R, rows.offs, rows.expert_of_row)
         del d_out
     rest = {n: t for n, t in p.items() if n not in (DOWN_PROJ, DOWN_PROJ_BIAS)}
-    names = list(rest)
     # dy enters where the plain layer's residual add hands it on, at the [N, D] view (autograd then sums the
     # contributions to that view in the plain layer's order: bit-identical)
-    grads = torch.autograd.grad((x2_ND, act, weights_R, aux), [x_BTD, *rest.values()],
-                                (dy_ND, d_act, d_weights, torch.full_like(aux, weight)))
-    by_name = dict(zip(names, grads[1:]))
+    dx, by_name = dense.backprop((x2_ND, act, weights_R, aux), x_BTD, rest,
+                                 (dy_ND, d_act, d_weights, torch.full_like(aux, weight)))
     down = p[DOWN_PROJ]
     by_name[DOWN_PROJ] = (d_w2 if a.gpt_oss else d_w2.transpose(1, 2)).to(down.dtype)
     if d_bias is not None:
         by_name[DOWN_PROJ_BIAS] = d_bias
-    return grads[0], by_name
+    return dx, by_name
 
 
 class RouterStats:

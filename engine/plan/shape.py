@@ -117,17 +117,27 @@ class StepShape:
             numel += min(2, self.L) * self.layer_numel
         return 2 * numel
 
+    def host_grads_gpu_saving(self, n_res: int, n_str: int, n_host_grads: int) -> int:
+        """GPU bytes freed by holding the last `n_host_grads` streamed units' bf16 gradients on the host: the
+        gradients, less the wire copies their D2H reads and the staging buffers' growth."""
+        if not n_host_grads:
+            return 0
+        units = self.host_grad_units(n_res, n_str, n_host_grads)
+        return (self.fmt.grad_bytes(self._numel_upto[units.stop] - self._numel_upto[units.start])
+                - self.host_grad_wire_bytes(units)
+                - self.staging_bytes(n_res, n_str, n_host_grads) + self.staging_bytes(n_res, n_str))
+
     def host_grads_freeing(self, n_res: int, n_str: int, short_bytes: float) -> int:
         """The fewest streamed units (the last ones) whose held bf16 gradients, moved to the host, free
-        `short_bytes` of GPU memory net of what the move adds there (the wire copies, and at most a gradient of
-        the largest moved unit per staging buffer); 0 when no count does."""
-        moved = largest = 0
-        for n in range(1, n_str + 1):
-            units = self.host_grad_units(n_res, n_str, n)
-            moved += self.fmt.grad_bytes(self.numels[units.start])
-            largest = max(largest, self.numels[units.start])
-            added = self.host_grad_wire_bytes(units) + min(N_STAGES, n_str) * self.fmt.grad_bytes(largest)
-            if moved - added >= short_bytes:
-                return n
-        return 0
-
+        `short_bytes` of GPU memory (`host_grads_gpu_saving`, which grows with the count: a bisection); 0 when
+        none does."""
+        if self.host_grads_gpu_saving(n_res, n_str, n_str) < short_bytes:
+            return 0
+        low, high = 0, n_str  # saving(low) < short_bytes <= saving(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self.host_grads_gpu_saving(n_res, n_str, mid) >= short_bytes:
+                high = mid
+            else:
+                low = mid
+        return high

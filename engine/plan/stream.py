@@ -61,7 +61,7 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
         if s.fmt.grad == "bf16" and not grads_on_gpu and n_str:  # held bf16 gradients may wait on the host
             n_host_grads = min(e.host_grad_units, n_str) if e.host_grad_units >= 0 else (
                 s.host_grads_freeing(n_res, n_str, -left) if left < 0 else 0)
-            left += _host_grads_gpu_saving(s, n_res, n_str, n_host_grads)
+            left += s.host_grads_gpu_saving(n_res, n_str, n_host_grads)
         if left < 0 and not force:
             return None
         cached = base.cache_weights
@@ -78,16 +78,6 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
 
     found = [c for c in (complete(*split, force=fixed_split) for split in splits) if c is not None]
     return found, complete(*splits[0], force=True)[0]
-
-
-def _host_grads_gpu_saving(s: StepShape, n_res: int, n_str: int, n_host_grads: int) -> int:
-    """GPU bytes freed by holding the last `n_host_grads` streamed units' bf16 gradients on the host: the
-    gradients, less the wire copies their D2H reads and the staging buffers' growth."""
-    if not n_host_grads:
-        return 0
-    units = s.host_grad_units(n_res, n_str, n_host_grads)
-    return (s.fmt.grad_bytes(sum(s.numels[u] for u in units)) - s.host_grad_wire_bytes(units)
-            - s.staging_bytes(n_res, n_str, n_host_grads) + s.staging_bytes(n_res, n_str))
 
 
 def _split_bytes(s: StepShape, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:

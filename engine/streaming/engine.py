@@ -484,8 +484,12 @@ class StreamEngine:
         if self.grads_on_gpu or unit in self.gpu_updated:
             self.gpu_grads[unit] = acc
             return
+        self._grad_to_host(unit, acc, acc.flat if acc.wire is None else acc.to_wire(self._transfer_seed(unit)))
+
+    def _grad_to_host(self, unit: int, acc: GradAccumulator, src: torch.Tensor) -> None:
+        """Queue the D2H copy of unit's finished gradient `src` (acc's sum or its wire copy) into its host buffer,
+        behind the work queued so far on the current stream; acc is free again once the copy is done."""
         done, landed = self.dev.event(), self.dev.event()
-        src = acc.flat if acc.wire is None else acc.to_wire(self._transfer_seed(unit))
         done.record()
         with self.dev.on(self.d2h), self.timer.busy(self.d2h, "d2h"):
             self.dev.wait_event(self.d2h, done)
@@ -513,16 +517,9 @@ class StreamEngine:
         if norms:
             self.sq_slices[unit].copy_(optim.sq_norms(list(acc.layout.views(rounded).values())))
         acc.hand_off()
-        done, landed = self.dev.event(), self.dev.event()
-        done.record()
-        with self.dev.on(self.d2h), self.timer.busy(self.d2h, "d2h"):
-            self.dev.wait_event(self.d2h, done)
-            held.flat.copy_(rounded, non_blocking=True)
-            landed.record(self.d2h)
-        acc.read_queued(self.d2h)
+        self._grad_to_host(unit, acc, rounded)  # into held.flat, the host store's buffer of the unit
         held.hand_off()
         self.gpu_grads[unit] = held
-        self.grad_landed[unit] = landed
 
     def _transfer_seed(self, unit: int) -> int:
         """The key of unit's bf16 transfer rounding: the Adam step its gradient is for (read before the update, or
