@@ -137,6 +137,24 @@ def test_sharded_state_is_split_over_the_ranks_and_exports_as_one(tmp_path):
     assert_same_training(tmp_path / "one_hf", tmp_path / "two_hf", 2)
 
 
+def test_each_rank_holds_the_bf16_gradients_of_its_own_units(tmp_path):
+    """With sharded state and bf16 gradients, a unit's held gradient is read by its owner's update alone: each rank
+    holds those of its own units only, on the device or (the last `engine.host_grad_units` streamed units) in host
+    memory, so the two ranks together hold what one rank does, each unit's once; and they train as one rank."""
+    common = ["engine=stream", "train.steps=4", "train.checkpoint_every=4", "train.master_dtype=bf16",
+              "train.moments_dtype=int8", "train.grad_dtype=bf16", "engine.gpu_resident_units=0",
+              "engine.host_grad_units=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    train_one_rank(one, *common)
+    torchrun(two, *common)
+    assert_same_training(one, two, 4)
+    summaries = [json.loads(p.read_text()) for p in (one / "summary.json", two / "summary.json",
+                                                     two / "rank1" / "summary.json")]
+    whole, *ranks = [s["memory_bytes"] for s in summaries]
+    for kind in ("device_held_grads", "host_grads"):
+        assert 0 < ranks[0][kind] < whole[kind] and ranks[0][kind] + ranks[1][kind] == whole[kind], kind
+
+
 FAILING_SAVE = """
 import os, runpy, sys
 sys.path.insert(0, {root!r})

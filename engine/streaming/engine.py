@@ -261,15 +261,18 @@ class StreamEngine:
             u: GradAccumulator(self.dev, layouts[u], fused, wire=u in wired) for u in (0, L + 1)}
         # bf16 gradients (a format's train.grad_dtype): every unit's gradient is held as a stochastically rounded
         # bf16 copy until its update (in GPU memory, or for `host_held` units in the host store's gradient buffers);
-        # the layers accumulate in fp32 in a shared pair, as with gradients on the host
+        # the layers accumulate in fp32 in a shared pair, as with gradients on the host. Only the rank that updates
+        # a unit reads its held copy (with sharded state the others' sum ends at the reduce), so each rank holds the
+        # copies of its own units
+        self.holds_bf16_grads = self.fmt.grad == "bf16"
         self.held: Dict[int, GradAccumulator] = {}
-        if self.fmt.grad == "bf16":
+        if self.holds_bf16_grads:
             self.held = {u: GradAccumulator(self.dev, layouts[u], fused, torch.bfloat16,
                                             home=self.store.grads[u] if u in self.host_held else None)
-                         for u in range(n_units)}
-        shared_layer_accs = not self.grads_on_gpu or self.held
+                         for u in range(n_units) if self.owns(u)}
+        shared_layer_accs = not self.grads_on_gpu or self.holds_bf16_grads
         # GPU-updated layers need their own accumulators only when the other layers share a ring
-        self.device_accs = {} if self.grads_on_gpu or self.held else {
+        self.device_accs = {} if self.grads_on_gpu or self.holds_bf16_grads else {
             u: GradAccumulator(self.dev, layouts[u], fused) for u in sorted(self.gpu_updated) if 0 < u <= L}
         n_layer_accs = min(2, L) if shared_layer_accs else L
         self.layer_accs = [GradAccumulator(self.dev, layer_layouts[0], fused, wire=any(0 < u <= L for u in wired))
@@ -437,7 +440,7 @@ class StreamEngine:
     def _sq_norms_out(self, unit: int, last: bool) -> Optional[torch.Tensor]:
         """Where an add into unit's accumulator writes its sums of squares: the last add of the step, unless the
         norms are of the held bf16 copy or of the gradient summed over ranks (taken in `_finish_grad`)."""
-        return self.sq_slices[unit] if last and not self.held and not self.dp.active else None
+        return self.sq_slices[unit] if last and not self.holds_bf16_grads and not self.dp.active else None
 
     def _finish_grad(self, unit: int, grad_hook) -> None:
         acc = self.acc.pop(unit) if unit not in (0, self.spec.num_layers + 1) else self.acc[unit]
@@ -472,13 +475,15 @@ class StreamEngine:
         if unit in self.host_held:
             self._hold_on_host(unit, acc, norms)
             return
-        if self.held:  # round into the unit's held bf16 copy, keyed as engine=reference keys it; free the accumulator
+        # round into the unit's held bf16 copy, keyed as engine=reference keys it; free the accumulator
+        if self.holds_bf16_grads:
             held = self._claim_held(unit)
             to_bf16_stochastic(acc.flat, held.flat, self._held_seed(unit))
             acc.hand_off()
             acc.read_queued(None)
             acc = held
-        if (self.held or grad_hook is not None or self.dp.active) and norms:  # of the rounded copy, the hook's, the sum
+        # the norms of the rounded copy, of the hook's gradient, or of the sum over ranks
+        if (self.holds_bf16_grads or grad_hook is not None or self.dp.active) and norms:
             self.sq_slices[unit].copy_(optim.sq_norms(list(acc.views.values())))
         acc.hand_off()
         if self.grads_on_gpu or unit in self.gpu_updated:
