@@ -10,6 +10,7 @@ holds them), one sequence of T tokens, qwen7b shapes (`--model`). Variants:
   triton   the plain layer on the Triton kernel (same chunking)
   lean     the lean layer (engine/model/lean.py, 8K-token chunks), attention's forward run again in the backward
   kept     the lean layer, the backward from the forward's kept attention output and log-sum-exp
+  kept_sdpa  the same on cuDNN's fused attention (engine/model/lean_attention.py `sdpa`)
 
 Times: CUDA events around whole steps; 1 untimed step first (compiles, autotunes), then the median of 3 timed steps
 up to 64K tokens, 1 above. tflops: the layer's model FLOPs (3 x its forward, causal attention counted:
@@ -26,7 +27,9 @@ from pathlib import Path
 
 from bench.kernel_bench import event_median_ms, require_gpu, write_rows
 
-VARIANTS = ("sdpa", "triton", "lean", "kept")
+VARIANTS = ("sdpa", "triton", "lean", "kept", "kept_sdpa")
+LEAN = ("lean", "kept", "kept_sdpa")
+KEPT = ("kept", "kept_sdpa")
 
 
 def _spec(model: str, variant: str, T: int):
@@ -37,8 +40,8 @@ def _spec(model: str, variant: str, T: int):
     cfg = make_cfg([f"model={model}", f"train.seq_len={T}", f"model.max_position_embeddings={max(T, 4096)}"],
                    validated=False)
     spec = ModelSpec(cfg.model)
-    lean = variant in ("lean", "kept")
-    spec.set_layer_compute(LayerCompute(attention="sdpa" if variant == "sdpa" else "triton",
+    lean = variant in LEAN
+    spec.set_layer_compute(LayerCompute(attention="sdpa" if variant in ("sdpa", "kept_sdpa") else "triton",
                                         mlp_chunk_tokens=resolve_mlp_chunk_tokens(-1, T, lean), lean=lean))
     spec.compile_templates()
     return cfg, spec
@@ -81,7 +84,7 @@ def measure(model: str, variant: str, T: int, torch) -> dict:
            **run_environment()}
     try:
         step = _step_fn(spec, T, torch)
-        kept_output = variant == "kept"
+        kept_output = variant in KEPT
         step(kept_output)  # compile, autotune
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

@@ -162,16 +162,16 @@ class TrainConfig:
     # auto (on CUDA) | on | off (the chunked torch chain, logits recomputed in the backward)
     fused_loss: str = one_of("auto", AUTO_ON_OFF)
     # attention backend (engine/model/attention.py): auto (the one measured faster in the layer: sdpa; triton on CUDA
-    # for packed rows and for the lean layer) | triton | sdpa | flash_attn; a backend asked for that cannot run is an
-    # error, never a quiet switch
+    # for packed rows; for the lean layer sdpa's cuDNN kernel, triton on packed rows, in fp32 or deterministic runs) |
+    # triton | sdpa | flash_attn; a backend asked for that cannot run is an error, never a quiet switch
     attention: str = one_of("auto", ATTENTION_BACKENDS)
     # the MLP block in token chunks, each recomputed in the backward (engine/model/dense.py): -1 auto (32K-token chunks
     # when a micro-batch holds more than 64K tokens), 0 off, N tokens per chunk
     mlp_chunk_tokens: int = -1
     # the lean long-context layer (engine/model/lean.py): a layer's per-token work (dense or MoE) in chunks of
-    # train.mlp_chunk_tokens around the Triton attention, whose output the backward reuses where the plan keeps it.
-    # auto (on where a micro-batch holds more than 128K tokens, the attention auto and CUDA there; attention=auto
-    # then takes the Triton kernel) | on (needs the Triton attention) | off
+    # train.mlp_chunk_tokens around an attention whose output the backward reuses where the plan keeps it (triton, or
+    # sdpa on rows of one document: engine/model/lean_attention.py). auto (on where a micro-batch holds more than
+    # 128K tokens and the attention is one of those) | on (needs one of those) | off
     lean_layer: str = one_of("auto", AUTO_ON_OFF)
     log_every: int = 1  # write a metrics record every N steps
     val_every: int = 25  # validate at step 0, every N steps and at the end; 0: at step 0 and the end; -1: never

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.config import PACKED_SOURCES, ConfigError
+from engine.device import resolve_compute_dtype
 from engine.model.attention import resolve_attention
 from engine.model.dense import LayerCompute, resolve_mlp_chunk_tokens
 from engine.model.lean import lean_layer_wanted, resolve_lean_layer
+from engine.model.lean_attention import fused_sdpa_runs
 
 
 @dataclass(frozen=True)
@@ -36,11 +40,18 @@ class Execution:
         t = cfg.train
         compiled = t.compile == "on" or (t.compile == "auto" and on_gpu)
         mb_tokens = t.micro_batch_size * t.seq_len
+        packed = cfg.data.name in PACKED_SOURCES
+        # the lean layer's `sdpa` attention: cuDNN's fused kernel on CUDA computes 16-bit types only; `auto` takes it
+        # unless the run asks for bitwise repeatability, which the Triton kernel's backward gives by construction
+        fused_sdpa = not on_gpu or t.compute_dtype != "fp32"
         try:
             attention = resolve_attention(t.attention, "cuda" if on_gpu else "cpu", spec.arch.head_dim,
-                                          spec.sinks_or_window, packed=cfg.data.name in PACKED_SOURCES,
-                                          lean=lean_layer_wanted(t.lean_layer, mb_tokens))
-            lean = resolve_lean_layer(t.lean_layer, attention, mb_tokens)
+                                          spec.sinks_or_window, packed=packed,
+                                          lean=lean_layer_wanted(t.lean_layer, mb_tokens),
+                                          lean_sdpa=fused_sdpa and not t.deterministic)
+            lean = resolve_lean_layer(t.lean_layer, attention, mb_tokens, packed, fused_sdpa)
+            if strict and lean and attention == "sdpa" and on_gpu and torch.cuda.is_available():
+                _require_fused_sdpa(resolve_compute_dtype(t.compute_dtype, torch.device("cuda")))
         except ConfigError:
             if strict:
                 raise
@@ -53,3 +64,14 @@ class Execution:
     def layer_compute(self) -> LayerCompute:
         """How the decoder layers compute (engine/model/dense.py)."""
         return LayerCompute(attention=self.attention, mlp_chunk_tokens=self.mlp_chunk_tokens, lean=self.lean)
+
+
+def _require_fused_sdpa(compute_dtype: torch.dtype) -> None:
+    """ConfigError unless this CUDA device runs the lean layer's `sdpa` attention (cuDNN's fused kernel)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not fused_sdpa_runs(device, compute_dtype):
+        raise ConfigError(f"the lean layer with train.attention=sdpa runs cuDNN's fused attention, which needs cuDNN 9 "
+                          f"or later on an Ampere or newer card in bf16/fp16; this device has cuDNN "
+                          f"{torch.backends.cudnn.version()}, compute capability "
+                          f"{torch.cuda.get_device_capability(device)}, compute dtype {compute_dtype}; set "
+                          "train.attention=triton")

@@ -43,18 +43,18 @@ def _case(family=(), B=2, T=37, docs=False, weight_dtype=torch.float32):
     return spec, params, x, dy, pos
 
 
-def _plain(spec, params, x, dy, pos):
+def _plain(spec, params, x, dy, pos, attention="triton"):
     p = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
     x = x.detach().clone().requires_grad_()
-    y = decoder_layer(p, x, pos, spec.arch, LayerCompute(attention="triton"))
+    y = decoder_layer(p, x, pos, spec.arch, LayerCompute(attention=attention))
     grads = torch.autograd.grad(y, [x, *p.values()], grad_outputs=dy)
     return y.detach(), grads[0], dict(zip(p, grads[1:]))
 
 
-def _lean(spec, params, x, dy, pos, chunk, kept=True):
+def _lean(spec, params, x, dy, pos, chunk, kept=True, attention="triton"):
     with torch.no_grad():
-        y, k = lean_forward(params, x, pos, spec.arch, chunk, keep=kept)
-    dx, grads = lean_backward(params, x, dy, pos, spec.arch, chunk, kept=k)
+        y, k = lean_forward(params, x, pos, spec.arch, chunk, keep=kept, attention=attention)
+    dx, grads = lean_backward(params, x, dy, pos, spec.arch, chunk, kept=k, attention=attention)
     return y, dx, grads
 
 
@@ -70,16 +70,22 @@ def _assert_within_twice_the_plain_error(lean, plain, exact):
         assert lean_err <= 2 * plain_err + floor, f"{name}: lean {lean_err:.3g} vs plain {plain_err:.3g}"
 
 
-@pytest.mark.parametrize("family, B, T, docs, chunk", [
-    ((), 2, 37, False, 17),  # 8 positions a chunk per row: 37 = 4 x 8 + 5
-    (QWEN3, 1, 37, False, 11),
-    ((), 2, 37, True, 24),  # chunks cross document boundaries
-    ((), 1, 37, True, 1000),  # one chunk
-], ids=["qwen2-2rows", "qwen3", "packed", "one-chunk"])
-def test_lean_layer_equals_the_plain_layer_in_fp32(family, B, T, docs, chunk):
+MHA = ["model.num_key_value_heads=6"]
+
+
+@pytest.mark.parametrize("family, B, T, docs, chunk, attention", [
+    ((), 2, 37, False, 17, "triton"),  # 8 positions a chunk per row: 37 = 4 x 8 + 5
+    (QWEN3, 1, 37, False, 11, "triton"),
+    ((), 2, 37, True, 24, "triton"),  # chunks cross document boundaries
+    ((), 1, 37, True, 1000, "triton"),  # one chunk
+    ((), 2, 37, False, 17, "sdpa"),  # the fused attention, each K/V head's group in a call of its own
+    (QWEN3, 1, 37, False, 1000, "sdpa"),
+    (MHA, 2, 37, False, 11, "sdpa"),  # no GQA: one call over all heads
+], ids=["qwen2-2rows", "qwen3", "packed", "one-chunk", "sdpa-2rows", "sdpa-qwen3-one-chunk", "sdpa-mha"])
+def test_lean_layer_equals_the_plain_layer_in_fp32(family, B, T, docs, chunk, attention):
     spec, params, x, dy, pos = _case(family, B, T, docs)
-    y_ref, dx_ref, g_ref = _plain(spec, params, x, dy, pos)
-    y, dx, g = _lean(spec, params, x, dy, pos, chunk)
+    y_ref, dx_ref, g_ref = _plain(spec, params, x, dy, pos, attention)
+    y, dx, g = _lean(spec, params, x, dy, pos, chunk, attention=attention)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
     assert set(g) == set(g_ref)
@@ -88,22 +94,24 @@ def test_lean_layer_equals_the_plain_layer_in_fp32(family, B, T, docs, chunk):
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_lean_layer_under_bf16_autocast_is_within_twice_the_plain_layers_error():
+@pytest.mark.parametrize("attention, docs", [("triton", True), ("sdpa", False)])
+def test_lean_layer_under_bf16_autocast_is_within_twice_the_plain_layers_error(attention, docs):
     """bf16 weights under CPU autocast: each output's error against the fp32 plain layer is at most 2x the bf16 plain
     layer's own (plus a floor of a few bf16 ulps for entries the plain run happens to get nearly exact)."""
-    spec, params, x, dy, pos = _case(QWEN3, 2, 37, docs=True)
-    y32, dx32, g32 = _plain(spec, params, x, dy, pos)
-    _, params16, _, _, _ = _case(QWEN3, 2, 37, docs=True, weight_dtype=torch.bfloat16)
+    spec, params, x, dy, pos = _case(QWEN3, 2, 37, docs=docs)
+    y32, dx32, g32 = _plain(spec, params, x, dy, pos, attention)
+    _, params16, _, _, _ = _case(QWEN3, 2, 37, docs=docs, weight_dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y_ref, dx_ref, g_ref = _plain(spec, params16, x, dy, pos)
-        y, dx, g = _lean(spec, params16, x, dy, pos, chunk=20)
+        y_ref, dx_ref, g_ref = _plain(spec, params16, x, dy, pos, attention)
+        y, dx, g = _lean(spec, params16, x, dy, pos, chunk=20, attention=attention)
     _assert_within_twice_the_plain_error((y, dx, g), (y_ref, dx_ref, g_ref), (y32, dx32, g32))
 
 
-def test_the_backward_from_the_kept_attention_equals_the_one_that_recomputes_it():
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_the_backward_from_the_kept_attention_equals_the_one_that_recomputes_it(attention):
     spec, params, x, dy, pos = _case(B=2, T=29, docs=False)
-    _, dx_kept, g_kept = _lean(spec, params, x, dy, pos, chunk=16, kept=True)
-    _, dx_again, g_again = _lean(spec, params, x, dy, pos, chunk=16, kept=False)
+    _, dx_kept, g_kept = _lean(spec, params, x, dy, pos, chunk=16, kept=True, attention=attention)
+    _, dx_again, g_again = _lean(spec, params, x, dy, pos, chunk=16, kept=False, attention=attention)
     assert torch.equal(dx_kept, dx_again)
     for name in g_kept:
         assert torch.equal(g_kept[name], g_again[name]), name
@@ -121,8 +129,9 @@ def test_the_autograd_wrapper_gives_lean_backwards_gradients():
         assert torch.equal(got, g[name]), name
 
 
-@pytest.mark.parametrize("kept_attention", [0, 1], ids=["recomputed", "kept"])
-def test_stream_equals_reference_with_the_lean_layer(monkeypatch, kept_attention):
+@pytest.mark.parametrize("attention, kept_attention", [("triton", 0), ("triton", 1), ("sdpa", 1)],
+                         ids=["recomputed", "kept", "sdpa-kept"])
+def test_stream_equals_reference_with_the_lean_layer(monkeypatch, attention, kept_attention):
     """Both engines train bit-identically through the lean layer: the reference's autograd Function keeps the
     attention output; the streaming engine's recomputed layers run attention's forward again in their backward (same
     kernel, same bits), or with engine.kept_attention_layers take the output their forward kept."""
@@ -135,7 +144,7 @@ def test_stream_equals_reference_with_the_lean_layer(monkeypatch, kept_attention
         return original(self, p, x, pos, layer, attention)
 
     monkeypatch.setattr(ModelSpec, "forward_keeping", forward_keeping)
-    over = [*WIDE_HEADS, "train.attention=triton", "train.lean_layer=on", "train.mlp_chunk_tokens=20",
+    over = [*WIDE_HEADS, f"train.attention={attention}", "train.lean_layer=on", "train.mlp_chunk_tokens=20",
             "train.grad_accum=1", "model.num_hidden_layers=2"]  # the interpreted kernel is slow: a small step
     rec_r, w_r, m_r, _ = train("reference", over, steps=2)
     rec_s, w_s, m_s, _ = train("stream", [*over, f"engine.kept_attention_layers={kept_attention}"], steps=2)
@@ -156,9 +165,11 @@ def _moe_layer(spec, params, x, dy, pos, compute):
     return y.detach(), spec.step_stats(), spec.router_stats.load[0], dict(zip(["x", *params], grads))
 
 
-@pytest.mark.parametrize("case, chunk, docs", [("qwen3_moe_1layer", 16, False), ("qwen3_moe_1layer", 30, True),
-                                               ("gpt_oss_1layer", 50, False)], ids=["qwen3-moe", "packed", "gpt-oss"])
-def test_lean_moe_layer_equals_the_plain_moe_layer_in_fp32(case, chunk, docs):
+@pytest.mark.parametrize("case, chunk, docs, attention", [
+    ("qwen3_moe_1layer", 16, False, "triton"), ("qwen3_moe_1layer", 30, True, "triton"),
+    ("gpt_oss_1layer", 50, False, "triton"), ("qwen3_moe_1layer", 16, False, "sdpa"),
+], ids=["qwen3-moe", "packed", "gpt-oss", "qwen3-moe-sdpa"])
+def test_lean_moe_layer_equals_the_plain_moe_layer_in_fp32(case, chunk, docs, attention):
     """Qwen3-MoE (also on packed rows) and gpt-oss (sliding window, sinks, biases), balance coefficient 0.25, chunks
     that do not divide the 2 x 37 tokens: the lean layer's output, load, balance term and every gradient (the balance
     term's included) equal the plain layer's on the same kernel; the streaming engine's two calls (forward without
@@ -174,8 +185,8 @@ def test_lean_moe_layer_equals_the_plain_moe_layer_in_fp32(case, chunk, docs):
     if docs:  # row 0: documents of 10, 20 and 7 tokens; row 1: one document
         starts = torch.tensor([0] * 10 + [10] * 20 + [30] * 7, dtype=torch.int32)
         pos = pos.of_rows(torch.stack([starts, torch.zeros(T, dtype=torch.int32)]))
-    y_ref, stats_ref, load_ref, g_ref = _moe_layer(spec, params, x, dy, pos, LayerCompute(attention="triton"))
-    lean_compute = LayerCompute(attention="triton", mlp_chunk_tokens=chunk, lean=True)
+    y_ref, stats_ref, load_ref, g_ref = _moe_layer(spec, params, x, dy, pos, LayerCompute(attention=attention))
+    lean_compute = LayerCompute(attention=attention, mlp_chunk_tokens=chunk, lean=True)
     y, stats, load, g = _moe_layer(spec, params, x, dy, pos, lean_compute)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(load, load_ref) and stats == pytest.approx(stats_ref, rel=1e-6)
@@ -210,23 +221,44 @@ def _execution(overrides, on_gpu=True):
     return Execution.of(ModelSpec(cfg.model), cfg, on_gpu=on_gpu, strict=True)
 
 
-def test_auto_takes_the_lean_layer_and_its_kernel_above_128k_tokens_on_a_gpu():
-    long = ["train.seq_len=524288", "model.max_position_embeddings=524288"]
-    ex = _execution(long)
-    assert (ex.lean, ex.attention, ex.mlp_chunk_tokens) == (True, "triton", LEAN_CHUNK_TOKENS)
+LONG = ["train.seq_len=524288", "model.max_position_embeddings=524288"]
+PACKED = ["data=text", "data.path=docs.jsonl", "data.tokenizer=tokenizer_dir"]  # read only when a run starts
+
+
+def _lean_and_attention(overrides, on_gpu=True):
+    ex = _execution(overrides, on_gpu)
+    return ex.lean, ex.attention
+
+
+def test_auto_takes_the_lean_layer_and_its_attention_above_128k_tokens():
+    """On a GPU `auto` takes the lean layer on cuDNN's fused attention (`sdpa`), and on the Triton kernel where that
+    cannot serve: packed rows, gpt-oss's windows and sinks, fp32 compute, bitwise-repeatable runs."""
+    ex = _execution(LONG)
+    assert (ex.lean, ex.attention, ex.mlp_chunk_tokens) == (True, "sdpa", LEAN_CHUNK_TOKENS)
     assert ex.layer_compute.lean
     at_128k = _execution(["train.seq_len=131072", "model.max_position_embeddings=131072"])
     assert (at_128k.lean, at_128k.attention) == (False, "sdpa")
-    assert not _execution(long, on_gpu=False).lean  # no Triton kernel on a CPU outside the interpreter's tests
-    assert not _execution([*long, "train.lean_layer=off"]).lean
-    assert not _execution([*long, "train.attention=sdpa"]).lean
-    moe_long = _execution(["model=gptoss20b", *long])  # mixture-of-experts layers run lean too
+    assert _lean_and_attention(LONG, on_gpu=False) == (True, "sdpa")  # the CPU's flash kernel
+    assert not _execution([*LONG, "train.lean_layer=off"]).lean
+    assert _lean_and_attention([*LONG, "train.attention=triton"]) == (True, "triton")
+    assert _lean_and_attention([*LONG, *PACKED]) == (True, "triton")
+    assert _lean_and_attention([*LONG, "train.deterministic=true"]) == (True, "triton")
+    assert _lean_and_attention([*LONG, "train.compute_dtype=fp32"]) == (True, "triton")
+    assert _lean_and_attention([*LONG, "train.compute_dtype=fp32", "train.attention=sdpa"]) == (False, "sdpa")
+    moe_long = _execution(["model=gptoss20b", *LONG])  # mixture-of-experts layers run lean too
     assert (moe_long.lean, moe_long.attention) == (True, "triton")
+    assert _lean_and_attention(["model=qwen3_30b_a3b", *LONG]) == (True, "sdpa")
 
 
-def test_the_lean_layer_asked_for_where_it_cannot_run_is_refused():
-    with pytest.raises(ConfigError, match="needs the Triton attention.*resolved to sdpa"):
-        _execution(["train.lean_layer=on", "train.attention=sdpa"])
+@pytest.mark.parametrize("overrides, message", [
+    (["train.attention=flash_attn"], "needs an attention that returns its log-sum-exp.*resolved to flash_attn"),
+    (["train.attention=sdpa", *PACKED], "takes no document boundaries and the rows are packed"),
+    (["train.attention=sdpa", "train.compute_dtype=fp32"], "computes bf16 or fp16 only"),
+], ids=["flash-attn", "sdpa-packed", "sdpa-fp32"])
+def test_the_lean_layer_asked_for_where_it_cannot_run_is_refused(overrides, message, monkeypatch):
+    monkeypatch.setattr("engine.model.attention.HAVE_FLASH_ATTN", True)  # past the check that it is installed
+    with pytest.raises(ConfigError, match=message):
+        _execution(["train.lean_layer=on", *overrides])
 
 
 def test_the_planner_counts_the_lean_layers_working_set():
@@ -238,11 +270,16 @@ def test_the_planner_counts_the_lean_layers_working_set():
     whole_rows = 2 * (3 * 28 + 4 * 4) * 128 * T + 2 * 4 * 28 * T
     assert whole_rows < lean < whole_rows + 2 * GIB
     assert lean < 0.5 * plain
+    # on cuDNN's fused attention, one K/V head's K and V expanded to its 7 query heads, their gradients and the
+    # group's dq: 4.4 GiB more, where expanding the whole width would cost 17.5
+    on_sdpa = layer_working_bytes(spec, T, 2, True, LEAN_CHUNK_TOKENS, "sdpa", lean=True)
+    assert on_sdpa - lean == 5 * 2 * 7 * 128 * T
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("docs", [False, True], ids=["one-doc", "packed"])
-def test_gpu_compiled_lean_layer_is_within_twice_the_plain_layers_bf16_error(docs):
+@pytest.mark.parametrize("docs, attention", [(False, "triton"), (True, "triton"), (False, "sdpa")],
+                         ids=["one-doc", "packed", "cudnn"])
+def test_gpu_compiled_lean_layer_is_within_twice_the_plain_layers_bf16_error(docs, attention):
     """On the GPU, compiled as the engine runs it (`ModelSpec.forward_keeping`, then `layer_grads` from the
     kept output), bf16 weights under autocast, 2 x 4099 tokens in 2000-token chunks: the lean layer's output and
     gradients against an fp32 plain layer, within 2x the bf16 plain layer's own error (+ a floor)."""
@@ -260,11 +297,11 @@ def test_gpu_compiled_lean_layer_is_within_twice_the_plain_layers_bf16_error(doc
     if docs:
         starts = torch.arange(T, device="cuda", dtype=torch.int32) // 1500 * 1500
         pos = pos.of_rows(torch.stack([starts, torch.zeros_like(starts)]))
-    y32, dx32, g32 = _plain(spec, params, x, dy, pos)
+    y32, dx32, g32 = _plain(spec, params, x, dy, pos, attention)
     p16 = {k: (v.to(torch.bfloat16) if v.dim() == 2 else v) for k, v in params.items()}
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        y_ref, dx_ref, g_ref = _plain(spec, p16, x, dy, pos)
-        spec.set_layer_compute(LayerCompute(attention="triton", mlp_chunk_tokens=2000, lean=True))
+        y_ref, dx_ref, g_ref = _plain(spec, p16, x, dy, pos, attention)
+        spec.set_layer_compute(LayerCompute(attention=attention, mlp_chunk_tokens=2000, lean=True))
         spec.compile_templates()
         with torch.no_grad():
             y, kept = spec.forward_keeping(p16, x, pos, 0, attention=True)

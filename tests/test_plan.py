@@ -348,7 +348,7 @@ def test_a_run_on_the_triton_kernel_at_512k_is_timed_at_the_kernels_figures():
     predicted longer than at SDPA's 32K figures, and the speeds line names them."""
     plans = []
     for points in ([], [AttentionPoint(backend="triton", seq_len=524288, fwd_tflops=300.0, bwd_tflops=250.0)]):
-        cfg = make_cfg(["experiment=bench_qwen7b_512k_h100", "hardware=h100", "plan=true"])
+        cfg = make_cfg(["experiment=bench_qwen7b_512k_h100", "hardware=h100", "plan=true", "train.attention=triton"])
         cfg.hardware.attn_points = points
         validate(cfg)
         plans.append(build_plan(ModelSpec(cfg.model), cfg, gpu_gib=78.5, host_gib=125.0, on_gpu=True, check=False))

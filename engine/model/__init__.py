@@ -173,7 +173,7 @@ class ModelSpec:
         """Decoder layer number `layer` (0-based; it picks the attention window) applied to x."""
         if self.compute.lean:
             return lean.lean_layer(p, x_BTD, pos, self.arch, self.compute.mlp_chunk_tokens, self.layer_windows[layer],
-                                   self._lean_fns, self._balance(layer))
+                                   self._lean_fns, self._balance(layer), self.compute.attention)
         if not self.moe:
             return self._layer_fn(p, x_BTD, pos, self.arch, self.compute)
         y, aux, load, _ = self._layer_fn(p, x_BTD, pos, self.arch, self.compute, self.layer_windows[layer])
@@ -193,7 +193,8 @@ class ModelSpec:
             if not attention:
                 return self.layer(p, x_BTD, pos, layer), None
             return lean.lean_forward(p, x_BTD, pos, self.arch, self.compute.mlp_chunk_tokens,
-                                     self.layer_windows[layer], keep=True, fns=self._lean_fns)
+                                     self.layer_windows[layer], keep=True, fns=self._lean_fns,
+                                     attention=self.compute.attention)
         if not self.moe:
             return self.layer(p, x_BTD, pos, layer), None
         y, _, _, routing = self._layer_fn(p, x_BTD, pos, self.arch, self.compute, self.layer_windows[layer])
@@ -222,7 +223,7 @@ class ModelSpec:
         if self.compute.lean:
             return lean.lean_backward(p, x_in, dy, pos, self.arch, self.compute.mlp_chunk_tokens,
                                       self.layer_windows[layer], kept, self._lean_fns, in_place=True,
-                                      balance=self._balance(layer))
+                                      balance=self._balance(layer), attention=self.compute.attention)
         B, T, _ = x_in.shape
         if not self.recompute_stops_before_down_proj(dense.mlp_chunked(self.compute.mlp_chunk_tokens, B * T)):
             return backprop(self.layer(p, x_in, pos, layer), x_in, p, dy)

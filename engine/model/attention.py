@@ -5,8 +5,9 @@ Backends (query head j reads kv head j // (nh / kv), the grouping of HF's repeat
   linear in the sequence length. CUDA (or the Triton interpreter, for CPU tests); head_dim a power of two in 16..128.
 - `sdpa`: torch's scaled_dot_product_attention with `enable_gqa` (its flash backend on CUDA for bf16/fp16).
 - `flash_attn`: the optional flash-attn package (bf16/fp16 on CUDA), when installed.
-- `auto`: `sdpa` (`triton` on CUDA for packed rows and where the lean layer runs, above 128K tokens a micro-batch of a
-  dense model: see `resolve_attention`). Measured on an H100 (bench/results/attention_h100_2026-12-05.jsonl): alone, the Triton kernel's
+- `auto`: `sdpa`; on CUDA, `triton` for packed rows and for models with windows or sinks, and where the lean layer runs
+  (above 128K tokens a micro-batch) `sdpa`'s cuDNN kernel, or `triton` when that cannot serve (packed rows, fp32
+  compute, `train.deterministic`): see `resolve_attention` and engine/model/lean_attention.py. Measured on an H100 (bench/results/attention_h100_2026-12-05.jsonl): alone, the Triton kernel's
   fwd+bwd is 1.04x SDPA's flash backend at 8K tokens and 1.20-1.22x from 32K to 512K (bench/bench_attention.py,
   contiguous [B, H, T, D] inputs); inside the compiled qwen7b layer at 32K tokens the engine ran 5,366 tok/s with it
   against 6,283 with SDPA (backward 4.26 s against 3.46 s; bench grid context_attention). The kernel then split the
@@ -46,20 +47,23 @@ def _triton_runs_on(device_type: str) -> bool:
 
 
 def resolve_attention(requested: str, device_type: str, head_dim: int, sinks_or_window: bool = False,
-                      packed: bool = False, lean: bool = False) -> str:
+                      packed: bool = False, lean: bool = False, lean_sdpa: bool = False) -> str:
     """The concrete backend for `train.attention=requested` on this device and head size; raises ConfigError
     naming the value and what would be valid when the asked-for backend cannot run. `sinks_or_window`: the model
     has attention sinks or sliding-window layers (gpt-oss), which only the Triton kernel computes. `packed`: the
     rows hold several documents (data=text/chat); `auto` then takes the Triton kernel where it runs (it skips
     other documents' keys; SDPA would need a dense T x T mask), and flash_attn is refused. `lean`: the run would
-    take the lean layer (engine/model/lean.py) with this backend; `auto` then takes the Triton kernel where it runs,
-    which the lean layer needs."""
+    take the lean layer (engine/model/lean.py); `auto` then takes a backend it runs on CUDA: `sdpa` (cuDNN's fused
+    attention, engine/model/lean_attention.py) where `lean_sdpa` says it runs and the rows are single documents
+    without windows or sinks, else the Triton kernel."""
     if requested not in ATTENTION_BACKENDS:
         raise ConfigError(f"train.attention={requested!r} is not valid; choose one of {', '.join(ATTENTION_BACKENDS)}")
     triton_fits = head_dim in HEAD_DIMS
     if packed and requested == "flash_attn":
         raise ConfigError("train.attention=flash_attn does not take the document boundaries of packed rows "
                           "(data=text/chat); use train.attention=auto, triton or sdpa")
+    if lean and lean_sdpa and requested == "auto" and device_type == "cuda" and not (packed or sinks_or_window):
+        return "sdpa"
     if (packed or lean) and requested == "auto" and triton_fits and device_type == "cuda":
         return "triton"
     if sinks_or_window:

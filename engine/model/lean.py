@@ -1,6 +1,7 @@
 """The lean decoder layer (dense or MoE) for long contexts: the layer's forward and backward written out in token
-chunks around the Triton attention kernel, so that nothing but q, k, v, the attention output and its gradient ever
-spans a whole row.
+chunks around an attention that returns its log-sum-exp and back-propagates from a kept output
+(engine/model/lean_attention.py: the Triton kernel, or cuDNN's fused attention under `sdpa`), so that nothing but q,
+k, v, the attention output and its gradient ever spans a whole row.
 
 Why. At 512K tokens a qwen7b layer under autograd keeps, for its backward, the normed inputs, the MLP's three
 [T, 18944] intermediates and (with SDPA) K and V expanded to the query heads: 33-47 GiB of working memory, more
@@ -10,22 +11,22 @@ layer removes the rest and the attention recompute:
 Forward (`lean_forward`, no autograd): for each chunk of `chunk_tokens` tokens (split over the rows: a chunk is
 every row's slice of `chunk_tokens // B` positions), the input norm, the q/k/v projections, the q/k norms and RoPE
 (`dense.project_qkv`, the same per-token ops as the plain layer) are written into q [B, nh, T, hd] and k, v
-[B, kv, T, hd] in the compute dtype; the Triton kernel attends over whole rows (document boundaries included) and
-returns the output and its log-sum-exp; then, chunk by chunk, the output projection, the residual add and the MLP
+[B, kv, T, hd] in the compute dtype; the attention runs over whole rows (document boundaries included on the Triton
+kernel) and returns the output and its log-sum-exp; then, chunk by chunk, the output projection, the residual add and the MLP
 block with its residual add (`dense.output_residual`, `dense.mlp_residual`). The forward can keep the attention
 output and log-sum-exp (`KeptAttention`, 2 B x nh x hd + 4 B x nh per token) for the backward.
 
 Backward (`lean_backward`): q, k, v are rebuilt chunk by chunk (no autograd); the attention forward runs again only
 when nothing was kept. Then, chunk by chunk, the layer's second half (o_proj, residual, MLP) is rebuilt with autograd
 over that chunk alone and back-propagated, giving the chunk's share of the weight gradients, its residual gradient and
-the gradient of the attention output; the kernel's backward takes the whole rows' dO with the kept (or recomputed)
+the gradient of the attention output; the attention's backward takes the whole rows' dO with the kept (or recomputed)
 output and log-sum-exp; and chunk by chunk the first half (norm, projections, q/k norms, RoPE) is back-propagated from
 dq, dk, dv. Weight gradients are summed over chunks in fp32.
 
 Working memory beyond the layer's input and the residual gradient, per token: q, k, v, out, dO, dk, dv in the
 compute dtype (3 x nh x hd + 4 x kv x hd elements; dq is written over out, which only the kernel's first backward
-pass reads) and the log-sum-exp, plus one chunk's autograd graph. No tensor is
-expanded to the query heads (the kernel reads each K/V head for its group of query heads).
+pass reads) and the log-sum-exp, plus one chunk's autograd graph. No tensor spanning every query head is expanded
+from K/V (the Triton kernel reads each K/V head for its group of query heads; `sdpa` expands one group at a time).
 
 Mixture-of-experts layers (engine/model/moe.py) run the same way: their second half is the output projection and
 the routed block (norm, router, experts) of one chunk, which also returns the chunk's routing sums. The balance
@@ -39,8 +40,8 @@ chunked MoE block does.
 Exactness: every op is the plain layer's on a subset of tokens, so the forward equals the plain layer's row for row
 up to the matmuls' blocking, and weight gradients summed over chunks equal the unchunked sums to fp32 rounding (not
 bit for bit). Both engines run this same code (the reference through `lean_layer`'s autograd Function), so they stay
-bit-identical to each other. The attention kernel is the Triton one only: it is what returns the log-sum-exp and
-takes a kept output in its backward (`resolve_lean_layer` refuses other backends).
+bit-identical to each other. The attention is one that returns the log-sum-exp and takes a kept output in its
+backward (`resolve_lean_layer` refuses other backends).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from engine.config import ConfigError
 from engine.device import autocast_dtype
 from engine.model import dense, moe
 from engine.model.rope import Positions
-from streamtrain_kernels.attention import attention_backward_over_out, layer_attention_forward
+from engine.model.lean_attention import LEAN_BACKENDS, attention_ops
 
 Params = Dict[str, torch.Tensor]
 
@@ -66,20 +67,30 @@ AUTO_LEAN_MIN_TOKENS = 131072
 def lean_layer_wanted(requested: str, micro_batch_tokens: int) -> bool:
     """Whether a run of `train.lean_layer=requested` (auto | on | off) is one the lean layer is for (`on`, or `auto`
     above AUTO_LEAN_MIN_TOKENS a micro-batch), before the attention backend is known: `train.attention=auto` then
-    takes the Triton kernel, which the lean layer needs."""
+    takes a backend the lean layer runs (engine/model/attention.py `resolve_attention`)."""
     return requested == "on" or (requested == "auto" and micro_batch_tokens > AUTO_LEAN_MIN_TOKENS)
 
 
-def resolve_lean_layer(requested: str, attention: str, micro_batch_tokens: int) -> bool:
+def resolve_lean_layer(requested: str, attention: str, micro_batch_tokens: int, packed: bool = False,
+                       fused_sdpa: bool = True) -> bool:
     """Whether the layers run lean, for `train.lean_layer=requested` (auto | on | off) with the resolved attention
-    backend; raises ConfigError naming what would be valid when `on` cannot run."""
+    backend: one of LEAN_BACKENDS, and `sdpa` only on rows of one document (`packed`: data=text/chat rows) where its
+    fused attention runs (`fused_sdpa`: engine/model/lean_attention.py `fused_sdpa_runs`). Raises ConfigError naming
+    what would be valid when `on` cannot run."""
+    sdpa_blocked = ("its fused attention takes no document boundaries and the rows are packed (data=text/chat)"
+                    if packed else "" if fused_sdpa else
+                    "cuDNN's fused attention computes bf16 or fp16 only (train.compute_dtype=fp32 here)")
     if requested == "on":
-        if attention != "triton":
-            raise ConfigError(f"train.lean_layer=on needs the Triton attention (its backward takes the kept output "
-                              f"and log-sum-exp), but train.attention resolved to {attention}; set "
+        if attention not in LEAN_BACKENDS:
+            raise ConfigError(f"train.lean_layer=on needs an attention that returns its log-sum-exp and takes a kept "
+                              f"output in its backward ({' or '.join(LEAN_BACKENDS)}), but train.attention resolved "
+                              f"to {attention}; set train.attention=triton, sdpa or auto")
+        if attention == "sdpa" and sdpa_blocked:
+            raise ConfigError(f"train.lean_layer=on with train.attention=sdpa: {sdpa_blocked}; set "
                               "train.attention=triton or auto")
         return True
-    return attention == "triton" and lean_layer_wanted(requested, micro_batch_tokens)
+    runs = attention == "triton" or (attention == "sdpa" and not sdpa_blocked)
+    return runs and lean_layer_wanted(requested, micro_batch_tokens)
 
 
 SINKS = "self_attn.sinks"
@@ -169,11 +180,13 @@ class ChunkFns:
 
 
 def lean_forward(p: Params, x_BTD: torch.Tensor, pos: Positions, a, chunk_tokens: int,
-                 window: Optional[int] = None, keep: bool = False, fns: ChunkFns = ChunkFns()):
-    """(layer output [B, T, D] in x's dtype, KeptAttention or None). Call without autograd."""
+                 window: Optional[int] = None, keep: bool = False, fns: ChunkFns = ChunkFns(),
+                 attention: str = "triton"):
+    """(layer output [B, T, D] in x's dtype, KeptAttention or None). `attention`: the backend
+    (engine/model/lean_attention.py). Call without autograd."""
     B, T, _ = x_BTD.shape
     q, k, v = _qkv(p, x_BTD, pos, a, chunk_tokens, fns)
-    out, lse = layer_attention_forward(q, k, v, window, p.get(SINKS), pos.doc_start_BT)
+    out, lse = attention_ops(attention)[0](q, k, v, window, p.get(SINKS), pos.doc_start_BT)
     del q, k, v
     y = torch.empty_like(x_BTD)
     moe_layer = isinstance(a, moe.MoeArch)
@@ -209,12 +222,14 @@ def _accumulate(total: Dict[str, torch.Tensor], names, grads) -> None:
 
 def lean_backward(p: Params, x_BTD: torch.Tensor, dy_BTD: torch.Tensor, pos: Positions, a, chunk_tokens: int,
                   window: Optional[int] = None, kept: Optional[KeptAttention] = None, fns: ChunkFns = ChunkFns(),
-                  in_place: bool = False, balance: Optional[moe.Balance] = None):
+                  in_place: bool = False, balance: Optional[moe.Balance] = None, attention: str = "triton"):
     """(d x [B, T, D], {name: fp32 gradient} for every tensor of p) of `lean_forward` at x for the output gradient dy.
     `kept`: the forward's attention output and log-sum-exp (else attention's forward runs again); its output tensor
     is overwritten (dq is written over it). `in_place`: d x is written over dy (a caller that no longer needs dy
     saves a [B, T, D] buffer). `balance` (MoE layers): takes the layer's balance term and returns its weight in the
-    loss (`RouterStats`). Call under the run's autocast; p's tensors need not require grad."""
+    loss (`RouterStats`). `attention`: the backend the forward ran (its kept log-sum-exp is that backend's). Call
+    under the run's autocast; p's tensors need not require grad."""
+    attention_forward, attention_backward = attention_ops(attention)
     moe_layer = isinstance(a, moe.MoeArch)
     if moe_layer and balance is None:
         raise ValueError("lean_backward: a MoE layer's backward needs `balance` (its balance term's loss weight)")
@@ -223,7 +238,7 @@ def lean_backward(p: Params, x_BTD: torch.Tensor, dy_BTD: torch.Tensor, pos: Pos
     with torch.no_grad():
         q, k, v = _qkv(p, x_BTD, pos, a, chunk_tokens, fns)
         if kept is None:
-            kept = KeptAttention(*layer_attention_forward(q, k, v, window, p.get(SINKS), pos.doc_start_BT))
+            kept = KeptAttention(*attention_forward(q, k, v, window, p.get(SINKS), pos.doc_start_BT))
     grads: Dict[str, torch.Tensor] = {}
     dx = dy_BTD if in_place else torch.empty_like(x_BTD)
     d_out = torch.empty_like(kept.out_BHTD)
@@ -241,8 +256,8 @@ def lean_backward(p: Params, x_BTD: torch.Tensor, dy_BTD: torch.Tensor, pos: Pos
         dx[:, start:stop] = dx_c
         d_out[:, :, start:stop] = d_attn_c.view(B, stop - start, a.heads, a.head_dim).transpose(1, 2)
         _accumulate(grads, post, g)
-    dq, dk, dv, d_sinks = attention_backward_over_out(d_out, q, k, v, kept.out_BHTD, kept.lse_BHT, window,
-                                                      p.get(SINKS), pos.doc_start_BT)
+    dq, dk, dv, d_sinks = attention_backward(d_out, q, k, v, kept.out_BHTD, kept.lse_BHT, window, p.get(SINKS),
+                                             pos.doc_start_BT)
     del d_out, q, k, v, kept
     pre = {n: p[n].detach().requires_grad_() for n in PRE_ATTENTION if n in p}
     for start, stop in _chunks(T, B, chunk_tokens):
@@ -263,11 +278,11 @@ class _LeanLayer(torch.autograd.Function):
     the forward's autocast state. The engines' plain-autograd paths (engine=reference, kept layer graphs) use it."""
 
     @staticmethod
-    def forward(ctx, x_BTD, pos, a, chunk_tokens, window, fns, balance, names, *values):
+    def forward(ctx, x_BTD, pos, a, chunk_tokens, window, fns, balance, attention, names, *values):
         p = dict(zip(names, values))
-        y, kept = lean_forward(p, x_BTD, pos, a, chunk_tokens, window, keep=True, fns=fns)
+        y, kept = lean_forward(p, x_BTD, pos, a, chunk_tokens, window, keep=True, fns=fns, attention=attention)
         ctx.save_for_backward(x_BTD, kept.out_BHTD, kept.lse_BHT, *values)
-        ctx.cfg = (pos, a, chunk_tokens, window, fns, balance, names)
+        ctx.cfg = (pos, a, chunk_tokens, window, fns, balance, attention, names)
         device_type = x_BTD.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         return y
@@ -275,22 +290,23 @@ class _LeanLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_BTD):
         x_BTD, out, lse, *values = ctx.saved_tensors
-        pos, a, chunk_tokens, window, fns, balance, names = ctx.cfg
+        pos, a, chunk_tokens, window, fns, balance, attention, names = ctx.cfg
         device_type, enabled, dtype = ctx.autocast
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             dx, grads = lean_backward(dict(zip(names, values)), x_BTD, dy_BTD, pos, a, chunk_tokens, window,
-                                      KeptAttention(out, lse), fns, balance=balance)
-        return (dx, None, None, None, None, None, None, None,
+                                      KeptAttention(out, lse), fns, balance=balance, attention=attention)
+        return (dx, None, None, None, None, None, None, None, None,
                 *(grads[n].to(t.dtype) for n, t in zip(names, values)))
 
 
 def lean_layer(p: Params, x_BTD: torch.Tensor, pos: Positions, a, chunk_tokens: int,
                window: Optional[int] = None, fns: ChunkFns = ChunkFns(),
-               balance: Optional[moe.Balance] = None) -> torch.Tensor:
+               balance: Optional[moe.Balance] = None, attention: str = "triton") -> torch.Tensor:
     """The decoder layer (dense or MoE), lean: differentiable in x and p when autograd is on (the backward reuses
     the forward's attention output; a MoE layer's adds its balance term's gradient, `balance` giving its weight),
     `lean_forward` without it."""
     if not torch.is_grad_enabled():
-        return lean_forward(p, x_BTD, pos, a, chunk_tokens, window, fns=fns)[0]
+        return lean_forward(p, x_BTD, pos, a, chunk_tokens, window, fns=fns, attention=attention)[0]
     names = tuple(p)
-    return _LeanLayer.apply(x_BTD, pos, a, chunk_tokens, window, fns, balance, names, *(p[n] for n in names))
+    return _LeanLayer.apply(x_BTD, pos, a, chunk_tokens, window, fns, balance, attention, names,
+                            *(p[n] for n in names))

@@ -59,14 +59,19 @@ def layer_graph_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, mlp
     return layer_activation_bytes_per_token(spec, compute_bytes, compiled, mlp=mlp) * tokens
 
 
-def lean_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, chunk_tokens: int) -> int:
+def lean_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, chunk_tokens: int,
+                       attention: str = "triton") -> int:
     """The lean layer's working set (engine/model/lean.py), at its backward's peak: q, k, v, the attention output
     (dq is written over it), its gradient and dk, dv over whole rows in the compute dtype, the log-sum-exp and the
-    kernel's row sums
-    (fp32 per head), and one chunk's autograd graph with its gradients. The layer's output gradient is written over
-    the residual stream's (counted with it); K and V are never expanded to the query heads."""
+    kernel's row sums (fp32 per head), and one chunk's autograd graph with its gradients. The layer's output
+    gradient is written over the residual stream's (counted with it). The Triton kernel never expands K and V to the
+    query heads; the `sdpa` backend (engine/model/lean_attention.py) expands one K/V head's K and V to its group of
+    query heads at a time and gets their gradients and the group's dq at that width: five [tokens, group x head_dim]
+    tensors live in one group's backward (without GQA, one call over all heads: only its dq beside the rest)."""
     a = spec.arch
     whole_rows = compute_bytes * (3 * a.heads + 4 * a.kv_heads) * a.head_dim + 2 * 4 * a.heads
+    if attention == "sdpa":
+        whole_rows += compute_bytes * a.head_dim * (5 * a.heads // a.kv_heads if a.kv_heads < a.heads else a.heads)
     chunk = min(tokens, chunk_tokens) if chunk_tokens > 0 else tokens
     return whole_rows * tokens + int(1.5 * layer_activation_bytes_per_token(spec, compute_bytes, compiled) * chunk)
 
@@ -80,7 +85,7 @@ def layer_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, m
     an H100 at 128K tokens, qwen7b's 28/4 heads: 3.24 GiB above the Triton kernel's backward, 93% of this count).
     `lean`: the lean layer's (`lean_working_bytes`)."""
     if lean:
-        return lean_working_bytes(spec, tokens, compute_bytes, compiled, mlp_chunk_tokens)
+        return lean_working_bytes(spec, tokens, compute_bytes, compiled, mlp_chunk_tokens, attention)
     graph = layer_graph_bytes(spec, tokens, compute_bytes, compiled, mlp_chunk_tokens)
     if 0 < mlp_chunk_tokens < tokens:
         mlp_per_token = (layer_activation_bytes_per_token(spec, compute_bytes, compiled)
