@@ -15,9 +15,9 @@ holds them), one sequence of T tokens, qwen7b shapes (`--model`). Variants:
 Times: CUDA events around whole steps; 1 untimed step first (compiles, autotunes), then the median of 3 timed steps
 up to 64K tokens, 1 above. tflops: the layer's model FLOPs (3 x its forward, causal attention counted:
 engine/metrics.py) over the step time, no credit for recompute. peak_gib: torch.cuda.max_memory_allocated during the
-timed steps less what was allocated before (the layer's weights, x and dy), i.e. the layer's working set as the
-planner counts it (`planned_gib`: engine/plan/activations.py `layer_working_bytes`). A variant out of memory gives
-a row with `error`. Rows carry engine.metrics.run_environment's fields.
+timed steps less what was allocated before (the layer's weights, x, dy and the copy of dy the backward overwrites),
+i.e. the layer's working set as the planner counts it (`planned_gib`: engine/plan/activations.py
+`layer_working_bytes`). A variant out of memory gives a row with `error`. Rows carry engine.metrics.run_environment's fields.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def _step_fn(spec, T: int, torch):
     D = spec.arch.hidden
     x = torch.randn(1, T, D, device="cuda")
     dy = torch.randn(1, T, D, device="cuda")
+    dy_work = torch.empty_like(dy)  # what the backward overwrites: the engine's residual gradient, not the layer's
     pos = spec.positions(T, "cuda")
 
     def step(kept_output: bool):
@@ -67,7 +68,8 @@ def _step_fn(spec, T: int, torch):
                     kept = spec.forward_keeping(p, x, pos, 0, attention=True)[1]
                 else:
                     spec.layer(p, x, pos, 0)
-            return spec.layer_grads(p, x.detach().requires_grad_(), dy.clone(), pos, 0, kept=kept)
+            dy_work.copy_(dy)
+            return spec.layer_grads(p, x.detach().requires_grad_(), dy_work, pos, 0, kept=kept)
 
     return step
 

@@ -63,8 +63,11 @@ def lean_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, ch
                        attention: str = "triton") -> int:
     """The lean layer's working set (engine/model/lean.py), at its backward's peak: q, k, v, the attention output
     (dq is written over it), its gradient and dk, dv over whole rows in the compute dtype, the log-sum-exp and the
-    kernel's row sums (fp32 per head), and one chunk's autograd graph with its gradients. The layer's output
-    gradient is written over the residual stream's (counted with it). The Triton kernel never expands K and V to the
+    kernel's row sums (fp32 per head), one chunk's autograd graph with its gradients, and the layer's weight
+    gradients summed over the chunks in fp32 (a whole layer's worth, whatever the length: 0.87 GiB for qwen7b,
+    measured on an H100 as the constant left between this count and the layer's peak at 32K and 128K,
+    bench/results/lean_layer_h100_2026-12-07.jsonl). The layer's output gradient is written over the residual
+    stream's (counted with it). The Triton kernel never expands K and V to the
     query heads; the `sdpa` backend (engine/model/lean_attention.py) expands one K/V head's K and V to its group of
     query heads at a time and gets their gradients and the group's dq at that width: five [tokens, group x head_dim]
     tensors live in one group's backward (without GQA, one call over all heads: only its dq beside the rest)."""
@@ -73,7 +76,9 @@ def lean_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, ch
     if attention == "sdpa":
         whole_rows += compute_bytes * a.head_dim * (5 * a.heads // a.kv_heads if a.kv_heads < a.heads else a.heads)
     chunk = min(tokens, chunk_tokens) if chunk_tokens > 0 else tokens
-    return whole_rows * tokens + int(1.5 * layer_activation_bytes_per_token(spec, compute_bytes, compiled) * chunk)
+    weight_grads = 4 * spec.layer_units[0].layout.numel
+    return (whole_rows * tokens + int(1.5 * layer_activation_bytes_per_token(spec, compute_bytes, compiled) * chunk)
+            + weight_grads)
 
 
 def layer_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, mlp_chunk_tokens: int,
