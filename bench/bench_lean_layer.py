@@ -17,7 +17,8 @@ up to 64K tokens, 1 above. tflops: the layer's model FLOPs (3 x its forward, cau
 engine/metrics.py) over the step time, no credit for recompute. peak_gib: torch.cuda.max_memory_allocated during the
 timed steps less what was allocated before (the layer's weights, x, dy and the copy of dy the backward overwrites),
 i.e. the layer's working set as the planner counts it (`planned_gib`: engine/plan/activations.py
-`layer_working_bytes`). A variant out of memory gives a row with `error`. Rows carry engine.metrics.run_environment's fields.
+`layer_working_bytes`). A variant out of memory gives a row with `error`. Rows carry
+engine.metrics.run_environment's fields.
 """
 
 from __future__ import annotations

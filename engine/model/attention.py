@@ -3,17 +3,16 @@
 Backends (query head j reads kv head j // (nh / kv), the grouping of HF's repeat_kv):
 - `triton`: the project's flash attention (streamtrain_kernels/attention.py), forward and backward in Triton, memory
   linear in the sequence length. CUDA (or the Triton interpreter, for CPU tests); head_dim a power of two in 16..128.
-- `sdpa`: torch's scaled_dot_product_attention with `enable_gqa` (its flash backend on CUDA for bf16/fp16).
+- `sdpa`: torch's scaled_dot_product_attention with `enable_gqa`; on an H100 torch runs cuDNN's attention for bf16.
 - `flash_attn`: the optional flash-attn package (bf16/fp16 on CUDA), when installed.
 - `auto`: `sdpa`; on CUDA, `triton` for packed rows and for models with windows or sinks, and where the lean layer runs
   (above 128K tokens a micro-batch) `sdpa`'s cuDNN kernel, or `triton` when that cannot serve (packed rows, fp32
-  compute, `train.deterministic`): see `resolve_attention` and engine/model/lean_attention.py. Measured on an H100 (bench/results/attention_h100_2026-12-05.jsonl): alone, the Triton kernel's
-  fwd+bwd is 1.04x SDPA's flash backend at 8K tokens and 1.20-1.22x from 32K to 512K (bench/bench_attention.py,
-  contiguous [B, H, T, D] inputs); inside the compiled qwen7b layer at 32K tokens the engine ran 5,366 tok/s with it
-  against 6,283 with SDPA (backward 4.26 s against 3.46 s; bench grid context_attention). The kernel then split the
-  compiled layer into two graphs (see below); it no longer does, but that has not been measured on a GPU yet, so `auto`
-  stays with the backend measured faster where it runs. flash-attn is not chosen by `auto`: it does not build offline,
-  so it was never measured here.
+  compute, `train.deterministic`): see `resolve_attention` and engine/model/lean_attention.py.
+
+Measured on an H100: torch's default SDPA (cuDNN) runs 530-567 TFLOPS fwd+bwd from 32K to 512K tokens, 1.36-1.54x the
+Triton kernel (bench/results/attention_sdpa_backends_h100_2026-12-07.jsonl); the Triton kernel beats only SDPA's
+flash backend (1.20-1.22x, bench/results/attention_h100_2026-12-05.jsonl). flash-attn is not chosen by `auto`: it
+does not build offline, so it was never measured here.
 
 Models with attention sinks or sliding-window layers (gpt-oss) run on `triton` only, which `auto` then picks: the
 other backends compute neither.
@@ -22,8 +21,7 @@ A backend that was asked for and cannot run the shape or the device is an error 
 the engine is built), never a quiet switch to another one.
 
 The Triton kernel is a torch.library custom op (`layer_attention_forward`, streamtrain_kernels/attention.py): the
-compiled layer stays one graph with the kernel as an opaque node. Measured that way on an H200 the compiled qwen7b
-layer at 32K still ran 0.87x SDPA's step (bench/results/long-context.md), so the gap is not the graph split.
+compiled layer stays one graph with the kernel as an opaque node.
 """
 
 from __future__ import annotations

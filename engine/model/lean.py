@@ -12,8 +12,8 @@ Forward (`lean_forward`, no autograd): for each chunk of `chunk_tokens` tokens (
 every row's slice of `chunk_tokens // B` positions), the input norm, the q/k/v projections, the q/k norms and RoPE
 (`dense.project_qkv`, the same per-token ops as the plain layer) are written into q [B, nh, T, hd] and k, v
 [B, kv, T, hd] in the compute dtype; the attention runs over whole rows (document boundaries included on the Triton
-kernel) and returns the output and its log-sum-exp; then, chunk by chunk, the output projection, the residual add and the MLP
-block with its residual add (`dense.output_residual`, `dense.mlp_residual`). The forward can keep the attention
+kernel) and returns the output and its log-sum-exp; then, chunk by chunk, the output projection, the residual add
+and the MLP block with its residual add (`dense.output_residual`, `dense.mlp_residual`). The forward can keep the attention
 output and log-sum-exp (`KeptAttention`, 2 B x nh x hd + 4 B x nh per token) for the backward.
 
 Backward (`lean_backward`): q, k, v are rebuilt chunk by chunk (no autograd); the attention forward runs again only
