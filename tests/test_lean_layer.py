@@ -328,6 +328,24 @@ def test_gpu_stream_with_the_lean_layer_matches_the_reference_in_fp32():
     assert_same(w_s, w_r, exact=False, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.gpu
+def test_gpu_stream_on_the_cudnn_lean_layer_trains_as_the_reference_at_8k():
+    """On the GPU, bf16, compiled, one 8K-token sequence a micro-batch, head_dim 64: the streaming engine with the
+    lean layer on cuDNN's fused attention (the last layer's attention output kept, the others recomputed, a recompute
+    group regenerated into host memory) has the reference engine's first loss (the same forward) and stays within
+    bf16 rounding of its losses after."""
+    from tests.test_stream_gpu import run
+
+    over = ["model.hidden_size=384", "model.num_attention_heads=6", "model.num_key_value_heads=2",
+            "model.num_hidden_layers=4", "model.max_position_embeddings=8192", "train.seq_len=8192",
+            "train.micro_batch_size=1", "train.attention=sdpa", "train.lean_layer=on", "train.mlp_chunk_tokens=3000"]
+    stream = ["engine.kept_attention_layers=1", "engine.recompute_group=2", "engine.activation_tier=host"]
+    losses_r, _, _ = run("reference", over, "bf16", compile_mode="on")
+    losses_s, _, _ = run("stream", [*over, *stream], "bf16", compile_mode="on")
+    assert losses_s[0] == pytest.approx(losses_r[0], rel=1e-6)
+    torch.testing.assert_close(torch.tensor(losses_s), torch.tensor(losses_r), rtol=1e-2, atol=0)
+
+
 def test_the_heads_chunked_norm_back_propagates_as_the_plain_one(monkeypatch):
     """Above NORM_CHUNK_TOKENS the head's final norm saves only its input and rebuilds itself chunk by chunk in
     the backward: the input gradient equals the plain norm's row for row, the weight's to fp32 rounding."""
