@@ -192,7 +192,7 @@ stage leanlayer 'one qwen7b layer'"'"'s engine step, plain (SDPA, Triton) agains
 stage leanlayer512 'the same at 512K tokens (the plain layer on the Triton kernel, the lean layer both ways)' \
   'bench 560 bench_lean_layer --seq-lens 524288 --variants lean kept triton --out $OUT/lean_layer.jsonl'
 stage leansdpa 'the lean layer on cuDNN'"'"'s fused attention: the lean GPU tests, then its step against SDPA and the Triton lean layer at 32K' \
-  'gpu_tests gpu_lean_tests.log 240 tests/test_lean_attention.py tests/test_lean_layer.py
+  'gpu_tests gpu_lean_tests.log 300 tests/test_lean_attention.py tests/test_lean_layer.py -k cudnn
    bench 240 bench_lean_layer --seq-lens 32768 --variants sdpa kept kept_sdpa --out $OUT/lean_layer.jsonl'
 stage leansdpa512 'the lean layer at 512K tokens, kept attention output, on the Triton kernel and on cuDNN'"'"'s' \
   'bench 560 bench_lean_layer --seq-lens 524288 --variants kept_sdpa kept --out $OUT/lean_layer.jsonl'
