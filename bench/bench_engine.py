@@ -166,6 +166,15 @@ GRIDS = {
                                           "train.micro_batch_size=4", "train.grad_accum=4", f"train.compile={flag}"])
         for mode, flag in [("eager", "off"), ("compiled", "on")]
     ],
+    # gpt-oss-20b next to DeepSpeed ZeRO-3 offload measured in the same call (`--peers`): at its published width,
+    # depth-truncated to the 3 of 24 layers whose DeepSpeed state a 128 GiB host holds (3.63B parameters, ~91 GiB by
+    # DeepSpeed's 27 bytes a parameter; 4 layers would be ~112 GiB, full depth ~526 GiB), 64K tokens a step
+    # (4 x 4096 x 4, as moe64k), compiled, the planner's state formats (fp32 here, as the peer's)
+    "moepeer": [
+        ("gptoss20b-3l-stream-64k", ["model=gptoss20b", "model.num_hidden_layers=3", "engine=stream", *THROUGHPUT, SEQ,
+                                     "train.steps=4", "train.micro_batch_size=4", "train.grad_accum=4",
+                                     "train.compile=on"]),
+    ],
     # qwen14b in fp32 at full depth with the moments of 18 layers in the NVMe tier (/tmp on the device)
     "nvme_qwen14b": [
         ("qwen14b-stream-64k-fp32-nvme", ["experiment=bench_qwen14b_fp32_nvme_h200", "hardware.nvme_dir=/tmp/nvme",
@@ -231,8 +240,9 @@ def run_job(name: str, overrides: list, workdir: Path, timeout_s: int) -> dict:
 def add_ratios(rows: list, peer_rows: list = ()) -> None:
     """`ratio_vs_reference` against the reference engine's row of the same model, tokens per step and hardware;
     `scaling_vs_linear` of a data-parallel row against N times the one-rank row with its tokens per rank; and
-    `ratio_vs_<system>` against each peer row (bench/peers/) of the same model and tokens per step; every row
-    compared comes from the same call."""
+    `ratio_vs_<system>` against each peer row (bench/peers/) of the same model, depth and tokens per step (a
+    depth-truncated run is compared with the peer's run at that depth only); every row compared comes from the same
+    call."""
     ref = {(r["model"], r["tokens_per_step"], r["hardware"]): r for r in rows
            if r.get("engine") == "reference" and r.get("tokens_per_s")}
     one_rank = {(r["model"], r["tokens_per_step"] // r.get("ranks", 1)): r for r in rows
@@ -247,7 +257,7 @@ def add_ratios(rows: list, peer_rows: list = ()) -> None:
         if base is not None and r is not base:
             r["ratio_vs_reference"] = r["tokens_per_s"] / base["tokens_per_s"]
         for peer in peer_rows:
-            if (peer.get("model"), peer.get("tokens_per_step")) == (r.get("model"), r.get("tokens_per_step")):
+            if all(peer.get(k) == r.get(k) for k in ("model", "num_hidden_layers", "tokens_per_step")):
                 key = f"ratio_vs_{peer['system']}"
                 r[key] = r["tokens_per_s"] / peer["tokens_per_s"] if peer.get("tokens_per_s") else None
                 if not peer.get("tokens_per_s"):

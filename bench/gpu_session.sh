@@ -231,6 +231,12 @@ stage compare3b 'qwen3b streamed next to the peers (all on GPU, FSDP2 offload, D
      bench 200 peers.$peer --model qwen3b --micro-batch-size 8 --grad-accum 1 --out $OUT/peers.jsonl
    done
    grid 200 150 compare3b --peers $OUT/peers.jsonl'
+stage moepeer 'gpt-oss-20b next to DeepSpeed ZeRO-3 offload of this call: full depth (its host pre-flight says why not), then 3 of 24 layers, 64K tokens per step' \
+  'install_wheels .whl/peers
+   bench 40 peers.deepspeed_zero3 --model gptoss20b --micro-batch-size 4 --grad-accum 4 --out $OUT/peers.jsonl
+   bench 290 peers.deepspeed_zero3 --model gptoss20b --layers 3 --micro-batch-size 4 --grad-accum 4 \
+     --out $OUT/peers.jsonl
+   grid 220 200 moepeer --peers $OUT/peers.jsonl'
 stage peers 'the all-on-GPU peer at qwen7b, 64K tokens per step' \
   'bench 200 peers.all_on_gpu --model qwen7b --micro-batch-size 2 --grad-accum 8 --out $OUT/peers.jsonl'
 stage capacity14 'full-depth qwen14b in bf16 master + int8 moments + bf16 gradients' \

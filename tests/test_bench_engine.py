@@ -1,4 +1,4 @@
-"""bench/bench_engine.py's ratios: only rows of the same model and tokens per step are compared, every
+"""bench/bench_engine.py's ratios: only rows of the same model, depth and tokens per step are compared, every
 comparison is named after the baseline's `system`, and a failed baseline says why instead of giving a number."""
 
 from bench import bench_engine
@@ -31,3 +31,18 @@ def test_data_parallel_rows_scale_against_the_one_rank_row_of_the_same_tokens_pe
     bench_engine.add_ratios(rows)
     assert rows[1]["scaling_vs_linear"] == 0.95
     assert "scaling_vs_linear" not in rows[0] and "scaling_vs_linear" not in rows[2]
+
+
+def test_a_depth_truncated_row_is_compared_with_the_peer_at_that_depth_only():
+    """gpt-oss-20b: the engine at 3 layers gets its ratio from the peer's 3-layer row, not from the full-depth row
+    the peer's host pre-flight refused; a full-depth engine row of the same tokens per step gets that refusal."""
+    rows = [{**_row("stream", "gptoss20b", 65536, 12000.0), "num_hidden_layers": 3},
+            {**_row("stream", "gptoss20b", 65536, 10000.0), "num_hidden_layers": 24}]
+    peers = [{"system": "deepspeed_zero3_offload", "model": "gptoss20b", "num_hidden_layers": 24,
+              "tokens_per_step": 65536, "error": "host memory: ... needs ~526 GiB ..."},
+             {"system": "deepspeed_zero3_offload", "model": "gptoss20b", "num_hidden_layers": 3,
+              "tokens_per_step": 65536, "tokens_per_s": 3000.0}]
+    bench_engine.add_ratios(rows, peers)
+    assert rows[0]["ratio_vs_deepspeed_zero3_offload"] == 4.0 and "ratio_vs_deepspeed_zero3_offload_why" not in rows[0]
+    assert rows[1]["ratio_vs_deepspeed_zero3_offload"] is None
+    assert rows[1]["ratio_vs_deepspeed_zero3_offload_why"].startswith("host memory")

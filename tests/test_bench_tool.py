@@ -108,3 +108,23 @@ def test_base_tree_stages_run_the_base_checkout_apart(tmp_path):
     assert out.count("tar xf .whl/base.tar") == 1  # unpacked once per call
     assert "--out /tmp/out/engine_base.jsonl --workdir /tmp/bench_base" in out
     assert "ablate_adamw_update --out /tmp/out/adamw_ablation.jsonl --base-tree /tmp/base" in out
+
+
+def test_moepeer_runs_the_deepspeed_peer_and_the_engine_at_one_shape():
+    """Peer and engine rows are compared only at the same model, depth and tokens per step (bench_engine.add_ratios):
+    the stage's truncated peer command and the grid's job agree on them; the full-depth peer (its host pre-flight's
+    row) comes first; the commands' time limits add up to what the stage has in one call of the GPU machine."""
+    commands = dry_run_commands("moepeer")
+    full, truncated = [argv for argv in commands if "bench.peers.deepspeed_zero3" in argv]
+    assert "--layers" not in full and full[full.index("--model") + 1] == "gptoss20b"
+
+    def opt(argv, name, default=None):
+        return argv[argv.index(name) + 1] if name in argv else default
+
+    ((_, overrides),) = GRIDS["moepeer"]
+    job = dict(o.split("=", 1) for o in overrides)
+    assert opt(truncated, "--model") == job["model"] and opt(truncated, "--layers") == job["model.num_hidden_layers"]
+    assert opt(truncated, "--micro-batch-size") == job["train.micro_batch_size"]
+    assert opt(truncated, "--grad-accum") == job["train.grad_accum"]
+    assert opt(truncated, "--seq-len", "4096") == job["train.seq_len"] == "4096"
+    assert sum(int(argv[1]) for argv in commands if argv[0] == "timeout") <= 560

@@ -28,6 +28,14 @@ def _peer(script, *args, out, timeout=120, launcher=("-m",)):
     return proc, rows
 
 
+def _without_deepspeed(host_gib):
+    """A launcher (python -c) that runs the module named next as if deepspeed were not installed, with psutil
+    reporting a host of `host_gib` GiB of RAM (the DeepSpeed peer's pre-flight reads it)."""
+    return ("-c", "import psutil, runpy, sys, types; sys.modules['deepspeed'] = None; "
+                  f"psutil.virtual_memory = lambda: types.SimpleNamespace(total={host_gib} * 2**30); "
+                  "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
 def test_all_on_gpu_dry_run_writes_a_full_row(tmp_path):
     out = tmp_path / "peers.jsonl"
     proc, rows = _peer("all_on_gpu", "--dry-run", *SMOKE, "--grad-accum", "2", "--steps", "2", out=out)
@@ -56,10 +64,8 @@ def test_fsdp2_dry_run_over_gloo(tmp_path):
 
 def test_deepspeed_absent_gives_an_error_row(tmp_path):
     out = tmp_path / "peers.jsonl"
-    hide = "import runpy, sys; sys.modules['deepspeed'] = None; sys.argv = sys.argv[1:]; " \
-           "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
     proc, rows = _peer("deepspeed_zero3", "--model", "qwen7b", "--micro-batch-size", "2", "--grad-accum", "8",
-                       out=out, launcher=("-c", hide))
+                       out=out, launcher=_without_deepspeed(host_gib=1024))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = rows
     assert row["error"] == "deepspeed not installed" and row["system"] == "deepspeed_zero3_offload"
@@ -82,15 +88,65 @@ def test_refuses_without_cuda(tmp_path):
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and rows == []
 
 
-def test_configs_map_to_the_published_parameter_counts():
+def _meta_model(name, layers=None):
+    """(fields, transformers model on the meta device) of conf/model/<name>.yaml as the peers build it."""
     import argparse
 
     from bench.peers import common
 
-    for name in ("qwen0_5b", "qwen7b", "qwen3_8b", "llama8b"):
-        fields = common.model_fields(argparse.Namespace(model=name, layers=None, vocab=None))
-        cfg = common.hf_config(fields)
-        with torch.device("meta"):
-            model = common.hf_model_class(fields)(cfg)
-        assert sum(p.numel() for p in model.parameters()) == fields["expected_params"], name
-        assert cfg.rms_norm_eps == float(fields["rms_norm_eps"]) and cfg._attn_implementation == "sdpa"
+    fields = common.model_fields(argparse.Namespace(model=name, layers=layers, vocab=None, experts=None))
+    with torch.device("meta"):
+        return fields, common.hf_model_class(fields)(common.hf_config(fields))
+
+
+@pytest.mark.parametrize("name", ["qwen0_5b", "qwen7b", "qwen3_8b", "llama8b", "gptoss20b", "qwen3_30b_a3b"])
+def test_configs_map_to_the_published_parameter_counts(name):
+    fields, model = _meta_model(name)
+    assert sum(p.numel() for p in model.parameters()) == fields["expected_params"]
+    assert model.config.rms_norm_eps == float(fields["rms_norm_eps"]) and model.config.use_cache is False
+    # transformers' default attention: SDPA, except gpt-oss, whose attention sinks SDPA has no place for
+    assert model.config._attn_implementation == ("eager" if name == "gptoss20b" else "sdpa")
+    if fields.get("num_experts"):  # the load-balancing loss is part of the loss, as in the engine
+        assert model.config.output_router_logits is True
+        assert model.config.router_aux_loss_coef == fields["router_aux_loss_coef"]
+
+
+def test_gpt_oss_maps_its_experts_window_and_layer_types_depth_truncated():
+    from bench.peers import common
+    from engine.metrics import count_params
+
+    fields, model = _meta_model("gptoss20b", layers=3)
+    cfg = model.config
+    assert type(model).__name__ == "GptOssForCausalLM" and fields["truncated"]
+    assert (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size) == (32, 4, 2880)
+    assert (cfg.sliding_window, cfg.swiglu_limit, cfg.attention_bias) == (128, 7.0, True)
+    assert cfg.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 32.0
+    layer = model.model.layers[0]
+    assert layer.self_attn.sinks.shape == (64,) and layer.mlp.experts.gate_up_proj.shape == (32, 2880, 2 * 2880)
+    # the row's parameter and FLOP counts are the engine's for the same truncated model
+    built = sum(p.numel() for p in model.parameters())
+    assert built == count_params(common.model_config(fields)) == 3_627_830_688
+
+
+def test_deepspeed_preflight_refuses_a_model_the_host_cannot_hold(tmp_path):
+    """Full-depth gpt-oss-20b needs ~526 GiB of host under ZeRO-3 offload (27 bytes a parameter): a row saying so,
+    in seconds, nothing built; 3 of its 24 layers (~91 GiB) pass the check on a 128 GiB host."""
+    out = tmp_path / "peers.jsonl"
+    shape = ["--micro-batch-size", "4", "--grad-accum", "4"]
+    proc, rows = _peer("deepspeed_zero3", "--model", "gptoss20b", *shape, out=out,
+                       launcher=_without_deepspeed(host_gib=128))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = rows
+    assert row["error"].startswith("host memory: DeepSpeed ZeRO-3 offload needs ~526 GiB of host for 20.91B")
+    assert "this host has 128 GiB: not run" in row["error"]
+    assert row["host_estimate_gib"] == pytest.approx(20_914_757_184 * 27 / 2**30) and row["host_ram_gib"] == 128
+    assert row["num_hidden_layers"] == 24 and row["tokens_per_step"] == 65536 and row["step_s"] is None
+    assert ROW_KEYS <= row.keys()
+
+    proc, rows = _peer("deepspeed_zero3", "--model", "gptoss20b", "--layers", "3", *shape, out=out,
+                       launcher=_without_deepspeed(host_gib=128))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = rows[-1]  # past the check, stopped by the hidden deepspeed
+    assert row["error"] == "deepspeed not installed" and row["num_hidden_layers"] == 3
+    assert row["host_estimate_gib"] == pytest.approx(91.2, abs=0.1)

@@ -23,7 +23,7 @@ SYSTEM = "all_on_gpu"
 
 def build(args, fields, device, use_autocast: bool):
     def _build(progress):
-        cfg = common.hf_config(fields)
+        cfg = common.hf_config(fields, args.attn_implementation)
         progress("build", f"{type(cfg).__name__} -> {common.hf_model_class(fields).__name__} on {device}, fp32")
         with torch.device(device):
             model = common.hf_model_class(fields)(cfg)
@@ -51,7 +51,7 @@ def build(args, fields, device, use_autocast: bool):
             opt.zero_grad(set_to_none=True)
             return loss_sum / ga, gnorm
 
-        return {"step": step, "built_params": built_params, "attn_implementation": model.config._attn_implementation,
+        return {"step": step, "built_params": built_params, **common.implementations(model),
                 "activation_checkpointing": common.checkpointing_on(model),
                 "optimizer": "torch.optim.AdamW(fused=True)", "autocast": "bf16" if use_autocast else None}
 

@@ -1,12 +1,13 @@
 """Shared pieces of the peer baselines: model config, random batches, the timed loop, memory probes, JSONL rows.
 
 Every peer script (`all_on_gpu.py`, `fsdp2_offload.py`, `deepspeed_zero3.py`) trains the same thing as our engine's
-benchmark: a transformers `*ForCausalLM` built from a `conf/model/*.yaml` (random init, SDPA attention, activation
-checkpointing), seq 4096, random tokens uniform over the vocabulary, fp32 master weights, bf16 compute, AdamW
-(lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on tensors of two or more dimensions, none on biases and norms:
-the engine's split), global grad-norm clipping at 1.0, `micro_batch_size * grad_accum * seq_len` tokens per step.
-Each run is `--steps` optimizer steps (default 4); the first `--warmup` (default 1) are not timed, and `step_s` is
-the median of the rest, each timed between two `torch.cuda.synchronize()` calls (nothing else synchronises).
+benchmark: a transformers `*ForCausalLM` built from a `conf/model/*.yaml` through the engine's HF config mapping
+(random init, transformers' default attention: SDPA, eager for gpt-oss; MoE models with their load-balancing loss;
+activation checkpointing), seq 4096, random tokens uniform over the vocabulary, fp32 master weights, bf16 compute,
+AdamW (lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on tensors of two or more dimensions, none on biases and
+norms: the engine's split), global grad-norm clipping at 1.0, `micro_batch_size * grad_accum * seq_len` tokens per
+step. Each run is `--steps` optimizer steps (default 4); the first `--warmup` (default 1) are not timed, and `step_s`
+is the median of the rest, each timed between two `torch.cuda.synchronize()` calls (nothing else synchronises).
 
 Rows and failures
 -----------------
@@ -23,6 +24,7 @@ where.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -34,11 +36,12 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
+from engine.config import ModelConfig
 from engine.metrics import count_params, jsonable, model_flops_per_token, run_environment
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +69,11 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps at the start (default 1)")
     ap.add_argument("--layers", type=int, default=None, help="truncate the model to this many decoder layers")
     ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size (tests / dry runs only)")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="override a MoE model's number of experts, keeping those a token uses (tests / dry runs only)")
+    ap.add_argument("--attn-implementation", default=None,
+                    help="transformers' attn_implementation (default: transformers' choice, SDPA where the model "
+                         "supports it, else eager)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS_H200, help="MFU denominator (H200 dense bf16)")
     ap.add_argument("--out", default="bench/results/peers.jsonl", help="JSONL file the row is appended to")
@@ -99,28 +107,17 @@ def finish_args(args: argparse.Namespace, dry_run: bool) -> argparse.Namespace:
 
 
 def load_model_yaml(name: str) -> Dict[str, Any]:
-    """The fields of conf/model/<name>.yaml as a plain dict (PyYAML, which transformers needs; omegaconf otherwise)."""
+    """The fields of conf/model/<name>.yaml as a plain dict."""
     path = ROOT / "conf" / "model" / f"{name}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
         raise SystemExit(f"--model {name}: no {path.relative_to(ROOT)}; known: {', '.join(known)}")
-    try:
-        import yaml
-
-        fields = yaml.safe_load(path.read_text())
-    except ImportError:
-        from omegaconf import OmegaConf
-
-        fields = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    # PyYAML reads "1e-06" (no dot) as a string: YAML 1.1 floats need one
-    for key in ("rms_norm_eps", "rope_theta"):
-        if isinstance(fields.get(key), str):
-            fields[key] = float(fields[key])
-    return fields
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
 
 def model_fields(args: argparse.Namespace) -> Dict[str, Any]:
-    """The YAML's fields with --layers / --vocab applied; `truncated` says whether they changed the model."""
+    """The YAML's fields with --layers / --vocab / --experts applied; `truncated` says whether they changed the model.
+    Token ids the shrunk vocabulary no longer holds are dropped."""
     fields = load_model_yaml(args.model)
     fields["full_num_hidden_layers"] = fields["num_hidden_layers"]
     if args.layers is not None:
@@ -129,60 +126,64 @@ def model_fields(args: argparse.Namespace) -> Dict[str, Any]:
         fields["num_hidden_layers"] = args.layers
     if args.vocab is not None:
         fields["vocab_size"] = args.vocab
-    fields["truncated"] = (fields["num_hidden_layers"] != fields["full_num_hidden_layers"]) or args.vocab is not None
+        for key in ("bos_token_id", "eos_token_id"):
+            if isinstance(fields.get(key), int) and fields[key] >= args.vocab:
+                fields[key] = None
+    if args.experts is not None:
+        if not fields.get("num_experts"):
+            raise SystemExit(f"--experts {args.experts}: {args.model} is not a mixture of experts")
+        if args.experts < fields["num_experts_per_tok"]:
+            raise SystemExit(f"--experts {args.experts}: fewer than the {fields['num_experts_per_tok']} a token uses")
+        fields["num_experts"] = args.experts
+    fields["truncated"] = fields["num_hidden_layers"] != fields["full_num_hidden_layers"] or args.vocab is not None \
+        or args.experts is not None
     return fields
 
 
-def flops_cfg(fields: Dict[str, Any]) -> SimpleNamespace:
-    """What engine.metrics.{count_params, model_flops_per_token} read."""
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "vocab_size", "tie_word_embeddings", "qkv_bias", "qk_norm")
-    return SimpleNamespace(**{k: fields.get(k) for k in keys})
+def model_config(fields: Dict[str, Any]) -> DictConfig:
+    """The engine's ModelConfig (engine/config.py) of these fields: what its parameter and FLOP counts (engine.metrics)
+    and its HF config mapping (engine.checkpoint.hf) read, so that a peer's model and its row's figures are the
+    engine's for the same YAML."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), {k: v for k, v in fields.items() if k in names})
 
 
-def hf_config(fields: Dict[str, Any]):
-    """A transformers config for the YAML's architecture (Qwen2 for the Qwen2.5 files; Qwen3 and Llama too)."""
-    import inspect
-
+def hf_config(fields: Dict[str, Any], attn_implementation: Optional[str] = None):
+    """The transformers config of the YAML's architecture, from the engine's HF export mapping (`hf_config_dict`:
+    Qwen2, Qwen3, Llama, Qwen3-MoE, gpt-oss with its experts, sinks, sliding window and per-layer attention types,
+    the first num_hidden_layers of them under --layers), fp32 (the master weights), no KV cache. MoE models return
+    their router logits, so that transformers adds the load-balancing loss (router_aux_loss_coef x its balance term)
+    to the loss, as the engine does. `attn_implementation` None leaves the choice to transformers when the model is
+    built: SDPA where the class supports it, else eager (gpt-oss: its attention sinks are in the eager, flex and
+    flash-attention paths only)."""
     import transformers
 
-    model_type = fields.get("model_type", "qwen2")
-    classes = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "llama": "LlamaConfig"}
-    if model_type not in classes:
-        raise SystemExit(f"model_type {model_type!r} has no peer mapping (known: {sorted(classes)})")
-    cls = getattr(transformers, classes[model_type])
-    kw = dict(
-        hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
-        num_hidden_layers=fields["num_hidden_layers"], num_attention_heads=fields["num_attention_heads"],
-        num_key_value_heads=fields["num_key_value_heads"], vocab_size=fields["vocab_size"],
-        max_position_embeddings=fields["max_position_embeddings"], rms_norm_eps=float(fields["rms_norm_eps"]),
-        tie_word_embeddings=bool(fields["tie_word_embeddings"]), use_cache=False,
-    )
-    for key in ("bos_token_id", "eos_token_id"):  # dropped when --vocab shrinks the vocabulary below them
-        token = fields.get(key)
-        kw[key] = token if isinstance(token, int) and token < fields["vocab_size"] else None
-    if fields.get("head_dim"):
-        kw["head_dim"] = fields["head_dim"]
-    if model_type == "llama":
-        kw.update(attention_bias=bool(fields.get("qkv_bias", False)), mlp_bias=False)
-    scaling = dict(fields.get("rope_scaling") or {})
-    theta = float(fields["rope_theta"])
-    if "rope_parameters" in inspect.signature(cls.__init__).parameters:  # transformers >= 5
-        kw["rope_parameters"] = {"rope_type": scaling.pop("rope_type", "default"), "rope_theta": theta, **scaling}
-    else:
-        kw["rope_theta"] = theta
-        if scaling:
-            kw["rope_scaling"] = scaling
-    cfg = cls(**kw)
-    cfg._attn_implementation = "sdpa"
+    from engine.checkpoint.hf import hf_config_dict
+
+    m = model_config(fields)
+    kw = {**hf_config_dict(m, torch.float32), "use_cache": False}
+    if m.num_experts:
+        kw["output_router_logits"] = True
+    cfg = transformers.AutoConfig.for_model(**kw)
+    if attn_implementation:
+        cfg._attn_implementation = attn_implementation
     return cfg
 
 
 def hf_model_class(fields: Dict[str, Any]):
     import transformers
 
-    name = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
-    return getattr(transformers, name[fields.get("model_type", "qwen2")])
+    from engine.checkpoint.hf import DEFAULT_ARCHITECTURES
+
+    return getattr(transformers, DEFAULT_ARCHITECTURES[fields["model_type"]])
+
+
+def implementations(model) -> Dict[str, Optional[str]]:
+    """The attention and (MoE models) expert kernels transformers chose for the built model, for the row."""
+    cfg = model.config
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    return {"attn_implementation": cfg._attn_implementation,
+            "experts_implementation": getattr(cfg, "_experts_implementation", None) if experts else None}
 
 
 def checkpointing_on(model) -> bool:
@@ -320,10 +321,18 @@ def base_row(system: str, args: argparse.Namespace, fields: Dict[str, Any]) -> D
         "num_hidden_layers": fields["num_hidden_layers"], "vocab_size": fields["vocab_size"],
         "truncated": fields["truncated"], "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size,
         "grad_accum": args.grad_accum, "tokens_per_step": tokens, "steps": args.steps, "warmup": args.warmup,
-        "num_params": count_params(flops_cfg(fields)), "tag": args.tag,
+        "num_params": count_params(model_config(fields)), "tag": args.tag,
         "command": " ".join(["python -m", script_module(), *sys.argv[1:]]),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
+
+
+def write_unrun_row(system: str, args: argparse.Namespace, fields: Dict[str, Any], error: str,
+                    extra: Optional[Dict[str, Any]] = None) -> None:
+    """The row of a run refused before anything was built (a missing package, a host too small): the run's shape,
+    the environment and `error`, no results."""
+    row = {**base_row(system, args, fields), **versions(), **(extra or {}), "error": error}
+    write_row(args.out, null_results(row))
 
 
 def error_text(exc: BaseException) -> str:
@@ -352,7 +361,7 @@ def fill_results(row: Dict[str, Any], fields: Dict[str, Any], args: argparse.Nam
     timed = step_times[args.warmup:] if len(step_times) > args.warmup else step_times
     step_s = statistics.median(timed) if timed else None
     tokens_per_s = row["tokens_per_step"] / step_s if step_s else None
-    flops = model_flops_per_token(flops_cfg(fields), args.seq_len)
+    flops = model_flops_per_token(model_config(fields), args.seq_len)
     tflops = flops["train_flops_per_token"] * tokens_per_s / 1e12 if tokens_per_s else None
     row.update({
         "steps_done": len(step_times), "step_s": step_s, "step_s_all": step_times, "tokens_per_s": tokens_per_s,

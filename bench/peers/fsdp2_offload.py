@@ -75,7 +75,7 @@ def build(args, fields, device):
                                   f"{common.os.environ['MASTER_PORT']}")
         dist.init_process_group(backend=backend, rank=0, world_size=1)
         mesh = init_device_mesh(device.type, (1,))
-        cfg = common.hf_config(fields)
+        cfg = common.hf_config(fields, args.attn_implementation)
         build_device = torch.device("cpu") if args.build_on == "cpu" else device
         progress("build", f"{common.hf_model_class(fields).__name__}, fp32, initialised on {build_device}")
         with torch.device(build_device):
@@ -122,7 +122,7 @@ def build(args, fields, device):
         return {"step": step, "built_params": built_params, "optimizer": opt_name, "grad_sync": args.grad_sync,
                 "build_on": build_device.type, "backend": backend, "param_device": first.device.type,
                 "param_pinned": bool(first.to_local().is_pinned()) if isinstance(first, DTensor) else None,
-                "attn_implementation": model.config._attn_implementation,
+                **common.implementations(model),
                 "activation_checkpointing": common.checkpointing_on(model),
                 "mixed_precision": "param bf16, reduce fp32"}
 
