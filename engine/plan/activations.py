@@ -67,14 +67,19 @@ def lean_working_bytes(spec, tokens: int, compute_bytes: int, compiled: bool, ch
     gradients summed over the chunks in fp32 (a whole layer's worth, whatever the length: 0.87 GiB for qwen7b,
     measured on an H100 as the constant left between this count and the layer's peak at 32K and 128K,
     bench/results/lean_layer_h100_2026-12-07.jsonl). The layer's output gradient is written over the residual
-    stream's (counted with it). The Triton kernel never expands K and V to the
-    query heads; the `sdpa` backend (engine/model/lean_attention.py) expands one K/V head's K and V to its group of
-    query heads at a time and gets their gradients and the group's dq at that width: five [tokens, group x head_dim]
-    tensors live in one group's backward (without GQA, one call over all heads: only its dq beside the rest)."""
+    stream's (counted with it). The Triton kernel never expands K and V to the query heads; the `sdpa` backend
+    (engine/model/lean_attention.py) expands one K/V head's K and V to its group of query heads at a time and gets
+    their gradients and the group's dq at that width: five [tokens, group x head_dim] tensors live in one group's
+    backward (without GQA, one call over all heads: only its dq beside the rest), and cuDNN's backward adds a
+    workspace counted as two fp32 tensors of the group's width (measured on an H100, qwen7b: 3.2 GiB above the rest
+    at 512K tokens; this count is then 1% over the measured peak at 512K and 13% over at 128K,
+    bench/results/lean_layer_h100_2026-12-07c.jsonl)."""
     a = spec.arch
     whole_rows = compute_bytes * (3 * a.heads + 4 * a.kv_heads) * a.head_dim + 2 * 4 * a.heads
     if attention == "sdpa":
-        whole_rows += compute_bytes * a.head_dim * (5 * a.heads // a.kv_heads if a.kv_heads < a.heads else a.heads)
+        group = a.heads // a.kv_heads if a.kv_heads < a.heads else a.heads
+        ours = 5 * group if a.kv_heads < a.heads else a.heads
+        whole_rows += a.head_dim * (compute_bytes * ours + 2 * 4 * group)
     chunk = min(tokens, chunk_tokens) if chunk_tokens > 0 else tokens
     weight_grads = 4 * spec.layer_units[0].layout.numel
     return (whole_rows * tokens + int(1.5 * layer_activation_bytes_per_token(spec, compute_bytes, compiled) * chunk)
