@@ -18,7 +18,7 @@ from engine.config import ConfigError
 from engine.execution import Execution
 from engine.model import ModelSpec, dense
 from engine.model.dense import AUTO_MLP_CHUNK_TOKENS, LEAN_CHUNK_TOKENS, LayerCompute, decoder_layer
-from engine.model.lean import lean_backward, lean_forward, lean_layer, resolve_lean_layer
+from engine.model.lean import lean_backward, lean_forward, lean_layer
 from engine.plan import GIB, layer_working_bytes
 from tests.test_engine_equivalence import assert_same, train
 from tests.util import FP32, SMALL, make_cfg

@@ -21,11 +21,12 @@ of the query width) instead of the whole width, for kv_heads calls whose cost at
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
 from streamtrain_kernels.attention import attention_backward_over_out, layer_attention_forward
+
 
 def fused_sdpa_runs(device: torch.device, compute_dtype: torch.dtype) -> bool:
     """Whether the `sdpa` lean attention runs on `device` in `compute_dtype`: anywhere on the CPU; on CUDA, cuDNN's
