@@ -20,7 +20,7 @@ from engine.device import resolve_compute_dtype
 from engine.model.attention import resolve_attention
 from engine.model.dense import LayerCompute, resolve_mlp_chunk_tokens
 from engine.model.lean import lean_layer_wanted, resolve_lean_layer
-from engine.model.lean_attention import fused_sdpa_runs
+from engine.model.lean_attention import CUDNN_ATTENTION_DTYPES, fused_sdpa_runs
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class Execution:
         packed = cfg.data.name in PACKED_SOURCES
         # the lean layer's `sdpa` attention: cuDNN's fused kernel on CUDA computes 16-bit types only; `auto` takes it
         # unless the run asks for bitwise repeatability, which the Triton kernel's backward gives by construction
-        fused_sdpa = not on_gpu or t.compute_dtype != "fp32"
+        fused_sdpa = not on_gpu or \
+            resolve_compute_dtype(t.compute_dtype, torch.device("cuda")) in CUDNN_ATTENTION_DTYPES
         try:
             attention = resolve_attention(t.attention, "cuda" if on_gpu else "cpu", spec.arch.head_dim,
                                           spec.sinks_or_window, packed=packed,

@@ -28,14 +28,16 @@ import torch
 from streamtrain_kernels.attention import attention_backward_over_out, layer_attention_forward
 
 
+CUDNN_ATTENTION_DTYPES = (torch.bfloat16, torch.float16)  # what cuDNN's fused attention computes
+
+
 def fused_sdpa_runs(device: torch.device, compute_dtype: torch.dtype) -> bool:
     """Whether the `sdpa` lean attention runs on `device` in `compute_dtype`: anywhere on the CPU; on CUDA, cuDNN's
     fused attention needs cuDNN 9 or later, an Ampere or newer card and a 16-bit compute dtype."""
     if device.type != "cuda":
         return device.type == "cpu"
     return (torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
-            and torch.cuda.get_device_capability(device) >= (8, 0)
-            and compute_dtype in (torch.bfloat16, torch.float16))
+            and torch.cuda.get_device_capability(device) >= (8, 0) and compute_dtype in CUDNN_ATTENTION_DTYPES)
 
 
 def _kv_groups(heads: int, kv_heads: int):
@@ -73,7 +75,7 @@ def _check_sdpa(q: torch.Tensor, window, sinks, doc_start) -> None:
     if window is not None or sinks is not None or doc_start is not None:
         raise ValueError("lean attention sdpa: computes causal rows only (no sliding window, sinks or document "
                          "boundaries); use train.attention=triton")
-    if q.device.type == "cuda" and q.dtype not in (torch.bfloat16, torch.float16):
+    if q.device.type == "cuda" and q.dtype not in CUDNN_ATTENTION_DTYPES:
         raise ValueError(f"lean attention sdpa: cuDNN's fused attention computes bf16 or fp16, not {q.dtype}; use "
                          "train.compute_dtype=bf16 or train.attention=triton")
 

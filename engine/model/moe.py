@@ -67,6 +67,8 @@ from engine.model.rope import Positions
 Params = Dict[str, torch.Tensor]
 Balance = Callable[[torch.Tensor, torch.Tensor, int], float]  # (balance term, load [E], tokens) -> its loss weight
 
+DOWN_PROJ = "mlp.experts.down_proj"
+DOWN_PROJ_BIAS = "mlp.experts.down_proj_bias"
 GPT_OSS_SWIGLU_ALPHA = 1.702  # the sigmoid's slope in gpt-oss's expert activation (fixed in its reference code)
 GROUPED_MM_ALIGN_ELEMS = 8  # grouped_mm wants row strides that are multiples of 16 bytes (8 bf16 elements)
 
@@ -113,14 +115,14 @@ def layer_specs(a: MoeArch) -> List[ParamSpec]:
     if a.gpt_oss:
         specs += [ParamSpec("mlp.router.weight", (E, h), "matmul"),
                   ParamSpec("mlp.experts.gate_up_proj", (E, h, 2 * I), "matmul"),
-                  ParamSpec("mlp.experts.down_proj", (E, I, h), "matmul"),
+                  ParamSpec(DOWN_PROJ, (E, I, h), "matmul"),
                   ParamSpec("mlp.router.bias", (E,), "vector"),
                   ParamSpec("mlp.experts.gate_up_proj_bias", (E, 2 * I), "vector"),
-                  ParamSpec("mlp.experts.down_proj_bias", (E, h), "vector")]
+                  ParamSpec(DOWN_PROJ_BIAS, (E, h), "vector")]
     else:
         specs += [ParamSpec("mlp.gate.weight", (E, h), "matmul"),
                   ParamSpec("mlp.experts.gate_up_proj", (E, 2 * I, h), "matmul"),
-                  ParamSpec("mlp.experts.down_proj", (E, h, I), "matmul")]
+                  ParamSpec(DOWN_PROJ, (E, h, I), "matmul")]
     return specs
 
 
@@ -273,15 +275,15 @@ def expert_activations(p: Params, y_ND: torch.Tensor, rows: ExpertRows, a: MoeAr
 
 def _down_weight(p: Params, a: MoeArch, dtype: torch.dtype) -> torch.Tensor:
     """The down projections as [E, I, D] (x @ W) in `dtype`."""
-    w2 = p["mlp.experts.down_proj"].to(dtype)
+    w2 = p[DOWN_PROJ].to(dtype)
     return w2 if a.gpt_oss else w2.transpose(1, 2)
 
 
 def weighted_down(p: Params, act_RI: torch.Tensor, weights_R: torch.Tensor, rows: ExpertRows,
                   a: MoeArch) -> torch.Tensor:
     """[R, D] each row's expert output (down projection and its bias) times its routing weight."""
-    return _WeightedDown.apply(act_RI, _down_weight(p, a, act_RI.dtype), p.get("mlp.experts.down_proj_bias"),
-                               weights_R, rows.offs, rows.expert_of_row)
+    return _WeightedDown.apply(act_RI, _down_weight(p, a, act_RI.dtype), p.get(DOWN_PROJ_BIAS), weights_R, rows.offs,
+                               rows.expert_of_row)
 
 
 def down_output_dtype(act_RI: torch.Tensor, bias_ED: Optional[torch.Tensor], weights_R: torch.Tensor):
@@ -304,7 +306,8 @@ def weighted_down_backward(d_out_RD: torch.Tensor, act_RI: torch.Tensor, w2_EID:
     g_RI = grouped_mm(d_out_RD.to(dtype), w2_EID.transpose(1, 2), offs=offs)
     d_act = (g_RI * weights_R1).to(dtype)
     d_weights = (g_RI * act_RI).sum(dim=-1, dtype=torch.float32)
-    d_h = (d_out_RD * weights_R1).to(dtype)
+    d_out_weighted = d_out_RD * weights_R1
+    d_h = d_out_weighted.to(dtype)
     if w2_EID.transpose(1, 2).is_contiguous():  # stored [E, D, I] (Qwen3-MoE): its gradient in that layout
         d_w2 = grouped_mm(d_h.t(), act_RI, offs=offs).transpose(1, 2)
     else:
@@ -314,7 +317,7 @@ def weighted_down_backward(d_out_RD: torch.Tensor, act_RI: torch.Tensor, w2_EID:
         with torch.autocast(d_out_RD.device.type, enabled=False):
             d_out_bias_RE = d_out_RD.float() @ bias_ED.float().t()
         d_weights = d_weights + d_out_bias_RE.gather(1, expert_of_row.unsqueeze(1))[:, 0]
-        d_bias = torch.zeros_like(bias_ED).index_add_(0, expert_of_row, (d_out_RD * weights_R1).to(bias_ED.dtype))
+        d_bias = torch.zeros_like(bias_ED).index_add_(0, expert_of_row, d_out_weighted.to(bias_ED.dtype))
     return d_act, d_w2, d_bias, d_weights.to(weights_R.dtype)
 
 
@@ -415,10 +418,6 @@ def layer_to_down_proj(p: Params, x_BTD: torch.Tensor, pos: Positions, a: MoeArc
 def down_proj_flops_per_token(a: MoeArch) -> int:
     """The down projection's forward FLOPs per token: k experts' [I] x [I, D]."""
     return 2 * a.top_k * a.expert_intermediate * a.hidden
-
-
-DOWN_PROJ = "mlp.experts.down_proj"
-DOWN_PROJ_BIAS = "mlp.experts.down_proj_bias"
 
 
 def layer_backward(p: Params, x_BTD: torch.Tensor, dy_BTD: torch.Tensor, pos: Positions, a: MoeArch,

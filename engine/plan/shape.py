@@ -109,6 +109,10 @@ class StepShape:
         """The streamed units whose held bf16 gradients wait on the host: the last `n_host_grads`."""
         return range(n_res + n_str - n_host_grads, n_res + n_str)
 
+    def held_grad_bytes(self, units: range) -> int:
+        """The held gradients of `units` in the format's gradient dtype."""
+        return self.fmt.grad_bytes(self._numel_upto[units.stop] - self._numel_upto[units.start]) if units else 0
+
     def host_grad_wire_bytes(self, units: range) -> int:
         """The bf16 copies on the GPU that the D2H of `units`' held gradients reads: the embedding's and the head's
         accumulators when they are among them, the shared pair of layer accumulators when a layer is."""
@@ -123,8 +127,7 @@ class StepShape:
         if not n_host_grads:
             return 0
         units = self.host_grad_units(n_res, n_str, n_host_grads)
-        return (self.fmt.grad_bytes(self._numel_upto[units.stop] - self._numel_upto[units.start])
-                - self.host_grad_wire_bytes(units)
+        return (self.held_grad_bytes(units) - self.host_grad_wire_bytes(units)
                 - self.staging_bytes(n_res, n_str, n_host_grads) + self.staging_bytes(n_res, n_str))
 
     def host_grads_freeing(self, n_res: int, n_str: int, short_bytes: float) -> int:

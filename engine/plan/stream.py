@@ -248,7 +248,7 @@ class StreamPlanner:
         n_kept, g = placement.keep_activation_layers, placement.recompute_group
         if n_res:
             plan.add(self.compute_tier, f"{self.state_name}: {n_res} leading units resident, updated on the GPU",
-                     sum(self.state_bytes[:n_res]))
+                     self.s.resident_state_bytes(n_res))
         if n_str:
             with_grads = ", with its gradient from the host" if placement.host_grad_units else ""
             plan.add(self.compute_tier, f"staging for GPU-streamed updates (state of the largest of {n_str} units"
@@ -282,7 +282,7 @@ class StreamPlanner:
             plan.add("host", f"{s.grad_transfer} gradients of host-updated units until the global norm is known",
                      s.transfer_bytes(sum(layouts[u].numel for u in held if u >= n_gpu)))
             host_grads = placement.host_grad_units_range
-            on_host = fmt.grad_bytes(sum(layouts[u].numel for u in host_grads))
+            on_host = s.held_grad_bytes(host_grads)
             plan.add(tier, f"accumulators: embedding, head, 2 layers (fp32); GPU-updated layers ({fmt.grad})",
                      self.side_grad_bytes + s.own_accumulator_bytes(n_gpu) - on_host)
             if host_grads:

@@ -100,10 +100,6 @@ class StreamedUpdater:
         """The unit's state by name as GPU views of its staging buffer (what its update runs over)."""
         return dict(zip(self.homes, self.stage_of[unit].views(self._staged(unit))))
 
-    def _grad_view(self, unit: int) -> torch.Tensor:
-        """The GPU view of unit's staging buffer its host-held gradient comes into."""
-        return self.stage_of[unit].views(self._staged(unit))[-1]
-
     @property
     def bytes(self) -> int:
         return sum(s.raw.numel() for s in self.stages)
@@ -128,7 +124,8 @@ class StreamedUpdater:
         (`state_views(unit)`)."""
         acc = self.pending.pop(unit)
         layout, stage = self.layouts[unit], self.stage_of[unit]
-        views = self.state_views(unit)
+        staged = stage.views(self._staged(unit))  # the state's views, then the host-held gradient's if any
+        views = dict(zip(self.homes, staged))
         parts = list(views.values())
         homes = [self.homes[k][unit] for k in views]
         with self.dev.on(self.h2d), self.timer.busy(self.h2d, "h2d"):
@@ -140,7 +137,7 @@ class StreamedUpdater:
             grad = acc.flat
             if unit in self.host_grads:
                 self.dev.wait_event(self.h2d, self.grad_landed.pop(unit))
-                grad = self._grad_view(unit)
+                grad = staged[-1]
                 grad.copy_(acc.flat, non_blocking=True)
             self.dev.wait_event(self.h2d, self.grads_final)
             step(unit, grad, views, self.coef, self.scale, self.lr)
