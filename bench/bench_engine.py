@@ -140,16 +140,15 @@ GRIDS = {
                                         (32768, 4, "-sdpa", ["train.attention=sdpa"]),
                                         (8192, 5, "-triton", ["train.attention=triton"])]
     ],
-    # the context sweep's lengths (conf/sweep/context.yaml) from 4K to 128K in fp32 state and 256K with int8
-    # moments and bf16 gradients, train.attention=auto, planned with a profile calibrated in the same call
+    # the context sweep's lengths (conf/sweep/context.yaml) from 4K to 256K, state formats and layer as the plan
+    # chooses (train.*_dtype=auto, train.lean_layer=auto, train.attention=auto); 512K is `ctx512` (a step takes ~10
+    # minutes: detached). The val split must hold a 256K window.
     "context_sweep": [
-        (f"qwen7b-stream-sweep{T // 1024}k{'-int8' if extra else ''}",
+        (f"qwen7b-stream-sweep{T // 1024}k",
          ["model=qwen7b", "engine=stream", *THROUGHPUT, f"train.seq_len={T}", "model.max_position_embeddings=524288",
           "train.micro_batch_size=1", "train.grad_accum=1", f"train.steps={steps}", *extra])
-        for T, steps, extra in [(4096, 4, []), (16384, 3, []), (65536, 3, []), (131072, 2, []),
-                                # fp32 state needs 185 GiB of host at 256K; the val split must hold a 256K window
-                                (262144, 2, ["train.moments_dtype=int8", "train.grad_dtype=bf16",
-                                             "data.val_fraction=0.06"])]
+        for T, steps, extra in [(4096, 4, []), (16384, 3, []), (32768, 3, []), (65536, 3, []), (131072, 2, []),
+                                (262144, 2, ["data.val_fraction=0.06"])]
     ],
     # MoE through the streaming engine (conf/experiment): gpt-oss-120b at its width (4 of 36 layers),
     # gpt-oss-20b and Qwen3-30B-A3B at full depth; eager first (the compiled MoE layer is unmeasured on a GPU)

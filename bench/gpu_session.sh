@@ -247,7 +247,7 @@ stage context 'qwen7b, one sequence per step, Triton attention and SDPA from 8K 
   'grid 560 200 context_attention'
 stage attnab 'Triton against SDPA in the compiled qwen7b layer at 32K' \
   'grid 360 170 context_attention --only ctx32k'
-stage ctxsweep 'qwen7b from 4K to 256K, one sequence per step (SWEEP_ONLY: lengths), rows and plot' \
+stage ctxsweep 'qwen7b from 4K to 256K, one sequence per step (SWEEP_ONLY: jobs; ~15 min in all: split over calls), rows and plot' \
   'grid 540 ${JOB_S:-240} context_sweep $(only SWEEP_ONLY)
    py 300 engine.report /tmp/bench/qwen7b-stream-sweep*/ --jsonl $OUT/context_sweep.jsonl \
      --png $OUT/context_sweep.png

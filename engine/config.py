@@ -170,8 +170,9 @@ class TrainConfig:
     mlp_chunk_tokens: int = -1
     # the lean long-context layer (engine/model/lean.py): a layer's per-token work (dense or MoE) in chunks of
     # train.mlp_chunk_tokens around an attention whose output the backward reuses where the plan keeps it (triton, or
-    # sdpa on rows of one document: engine/model/lean_attention.py). auto (on where a micro-batch holds more than
-    # 128K tokens and the attention is one of those) | on (needs one of those) | off
+    # sdpa on rows of one document: engine/model/lean_attention.py). auto (on a GPU: whichever layer the plan finds
+    # faster in the most precise state format that fits; planned without a GPU or refused by both: on where a
+    # micro-batch holds more than 128K tokens and the attention is one of those) | on (needs one of those) | off
     lean_layer: str = one_of("auto", AUTO_ON_OFF)
     log_every: int = 1  # write a metrics record every N steps
     val_every: int = 25  # validate at step 0, every N steps and at the end; 0: at step 0 and the end; -1: never
@@ -263,6 +264,11 @@ class HardwareConfig(LayerFigures):
     attn_fwd_tflops: float = 0.0  # attention forward
     attn_bwd_tflops: float = 0.0  # attention forward + backward, as 3 forwards' FLOPs
     attn_points: List[AttentionPoint] = field(default_factory=list)  # other backends and lengths (see AttentionPoint)
+    # The lean layer's step (engine/model/lean.py) over what the time model gives for its FLOPs at the figures above,
+    # on cuDNN's attention (sdpa) and on the Triton kernel: its token chunks and per-group attention calls run below
+    # the plain layer's rates. `python -m bench.bench_lean_layer` prints it per length as `step_ratio`.
+    lean_step_ratio_sdpa: float = 0.0  # on cuDNN's attention; 0: not measured, the time model's figures as they are
+    lean_step_ratio_triton: float = 0.0  # on the Triton kernel; 0: not measured, likewise
     # A mixture-of-experts layer's figures (its FLOPs other than attention's, active experts counted), measured on
     # the layer of moe_model; MoE runs use them in place of the dense layer's, which are far too fast for them.
     moe_model: str = ""
@@ -829,12 +835,14 @@ MOE_FIGURES = tuple(f"moe_{k}_tflops_{mode}" for mode in ("compiled", "eager") f
 HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
                     "profile_host_mem_gib", "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES,
                     *ATTENTION_FIGURES, *MOE_FIGURES, *TRANSFER_FIGURES, "bidir_gbps_under_adam",
-                    "host_compile_workers_gib")
+                    "host_compile_workers_gib", "lean_step_ratio_sdpa", "lean_step_ratio_triton")
 # what 0 means for the figures where it is not "unknown"
 ZERO_MEANS = {"host_mem_gib": "this machine's memory",
               "profile_host_mem_gib": "unknown: a plan for this profile uses the memory of the machine it runs on",
               "gpu_mem_cap_gib": "no cap", "nvme_gib": "no NVMe tier",
-              "bidir_gbps_under_adam": "not measured: the link as fast under the host AdamW as alone"}
+              "bidir_gbps_under_adam": "not measured: the link as fast under the host AdamW as alone",
+              "lean_step_ratio_sdpa": "not measured: the lean layer at the time model's figures",
+              "lean_step_ratio_triton": "not measured: the lean layer at the time model's figures"}
 
 
 def _validate_layer_widths(hw: DictConfig) -> None:

@@ -6,12 +6,16 @@ and the device kind. `train.compile=auto` and `train.fused_loss=auto` are on wit
 kernel runs only under the interpreter, the tests' business); the compile workers run unless the templates run
 eager or `train.compile_in_process` builds their kernels in the training process; `train.attention=auto` resolves
 as engine/model/attention.py says. A plan for other hardware (`plan=true`) may name a backend that cannot run here:
-it keeps the asked-for name (`strict=False`), where the trainer refuses the run (`strict=True`).
+it keeps the asked-for name (`strict=False`), where the trainer refuses the run (`strict=True`). With
+`train.lean_layer=auto` on a GPU, the plain and the lean layer are both priced (`Execution.choices`) and the plan
+takes the faster that fits (engine/plan/build.py): which layer is faster at a length depends on what each lets the
+placement keep, which only the plan knows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List
 
 import torch
 
@@ -34,32 +38,60 @@ class Execution:
     lean: bool  # the lean long-context layer (engine/model/lean.py)
 
     @classmethod
-    def of(cls, spec, cfg, on_gpu: bool, strict: bool = False) -> "Execution":
+    def of(cls, spec, cfg, on_gpu: bool, strict: bool = False, lean_layer: str = "") -> "Execution":
         """`strict`: a backend (or lean layer) that cannot run on this device is a ConfigError (else the asked-for
-        name is kept)."""
+        name is kept). `lean_layer`: decide as if `train.lean_layer` were this (auto | on | off) instead."""
         t = cfg.train
-        compiled = t.compile == "on" or (t.compile == "auto" and on_gpu)
+        try:
+            return cls._resolve(spec, cfg, on_gpu, strict, lean_layer or t.lean_layer)
+        except ConfigError:
+            if strict:
+                raise
+            return cls._resolved(cfg, on_gpu, t.attention, (lean_layer or t.lean_layer) == "on")
+
+    @classmethod
+    def choices(cls, spec, cfg, on_gpu: bool, strict: bool = False) -> List["Execution"]:
+        """The executions a plan chooses among (engine/plan/build.py, the faster that fits): with
+        `train.lean_layer=auto` on a GPU where both layers run, `of`'s (the lean layer above AUTO_LEAN_MIN_TOKENS a
+        micro-batch, the plain one below) and the other; otherwise `of`'s alone. Off the GPU nothing is timed, and
+        `auto` keeps `of`'s rule."""
+        first = cls.of(spec, cfg, on_gpu, strict)
+        if cfg.train.lean_layer != "auto" or not on_gpu:
+            return [first]
+        try:
+            other = cls._resolve(spec, cfg, on_gpu, strict, "off" if first.lean else "on")
+        except ConfigError:  # the lean layer cannot run with this attention or data: the plain layer only
+            return [first]
+        return [first] if other.lean == first.lean else [first, other]
+
+    @classmethod
+    def _resolve(cls, spec, cfg, on_gpu: bool, strict: bool, lean_layer: str) -> "Execution":
+        """`of` for `train.lean_layer=lean_layer`; a ConfigError when the backend or lean layer cannot run."""
+        t = cfg.train
         mb_tokens = t.micro_batch_size * t.seq_len
         packed = cfg.data.name in PACKED_SOURCES
         # the lean layer's `sdpa` attention: cuDNN's fused kernel on CUDA computes 16-bit types only; `auto` takes it
         # unless the run asks for bitwise repeatability, which the Triton kernel's backward gives by construction
         fused_sdpa = not on_gpu or \
             resolve_compute_dtype(t.compute_dtype, torch.device("cuda")) in CUDNN_ATTENTION_DTYPES
-        try:
-            attention = resolve_attention(t.attention, "cuda" if on_gpu else "cpu", spec.arch.head_dim,
-                                          spec.sinks_or_window, packed=packed,
-                                          lean=lean_layer_wanted(t.lean_layer, mb_tokens),
-                                          lean_sdpa=fused_sdpa and not t.deterministic)
-            lean = resolve_lean_layer(t.lean_layer, attention, mb_tokens, packed, fused_sdpa)
-            if strict and lean and attention == "sdpa" and on_gpu and torch.cuda.is_available():
-                _require_fused_sdpa(resolve_compute_dtype(t.compute_dtype, torch.device("cuda")))
-        except ConfigError:
-            if strict:
-                raise
-            attention, lean = t.attention, t.lean_layer == "on"
+        attention = resolve_attention(t.attention, "cuda" if on_gpu else "cpu", spec.arch.head_dim,
+                                      spec.sinks_or_window, packed=packed,
+                                      lean=lean_layer_wanted(lean_layer, mb_tokens),
+                                      lean_sdpa=fused_sdpa and not t.deterministic)
+        lean = resolve_lean_layer(lean_layer, attention, mb_tokens, packed, fused_sdpa)
+        if strict and lean and attention == "sdpa" and on_gpu and torch.cuda.is_available():
+            _require_fused_sdpa(resolve_compute_dtype(t.compute_dtype, torch.device("cuda")))
+        return cls._resolved(cfg, on_gpu, attention, lean)
+
+    @classmethod
+    def _resolved(cls, cfg, on_gpu: bool, attention: str, lean: bool) -> "Execution":
+        t = cfg.train
+        compiled = t.compile == "on" or (t.compile == "auto" and on_gpu)
         return cls(on_gpu=on_gpu, compiled=compiled, compile_workers=compiled and not t.compile_in_process,
                    fused_loss=t.fused_loss == "on" or (t.fused_loss == "auto" and on_gpu), attention=attention,
-                   mlp_chunk_tokens=resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, mb_tokens, lean), lean=lean)
+                   mlp_chunk_tokens=resolve_mlp_chunk_tokens(t.mlp_chunk_tokens, t.micro_batch_size * t.seq_len,
+                                                             lean),
+                   lean=lean)
 
     @property
     def layer_compute(self) -> LayerCompute:

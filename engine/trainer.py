@@ -196,16 +196,18 @@ class Trainer:
         local_cfg = distributed.local_config(cfg, self.dp)  # this rank's share of the micro-batches
         self.device = resolve_device(cfg.hardware.device)
         self.compute_dtype = resolve_compute_dtype(t.compute_dtype, self.device)
-        # what this run executes, read by the planner and the engine alike (a backend that cannot run is refused)
-        self.execution = Execution.of(self.spec, cfg, self.device.type == "cuda", strict=True)
         gpu_gib = hardware.apply_gpu_cap(cfg.hardware, self.device) if self.device.type == "cuda" else 0.0
         # this machine's host memory (rank 0's figure on every rank, so that all plan alike), shared by its ranks
         host_gib = hardware.host_budget(cfg, self.dp.broadcast, self.log).per_rank(self.dp.local_world)
         # the host state sharded over the data-parallel ranks (engine/distributed.py): no rank holds every unit
         self.sharded = self.dp.active and cfg.engine.name == "stream" and cfg.engine.shard_state
         state_ranks = self.dp.world if self.sharded else 1
+        # what this run executes, read by the planner and the engine alike (a backend that cannot run is refused);
+        # where `auto` leaves a choice, the plan takes the faster
         self.plan = build_plan(self.spec, local_cfg, gpu_gib, host_gib, self.device.type == "cuda",
-                               state_ranks=state_ranks, execution=self.execution)
+                               state_ranks=state_ranks,
+                               executions=Execution.choices(self.spec, cfg, self.device.type == "cuda", strict=True))
+        self.execution = self.plan.execution
         for name in formats.FIELDS:  # `auto` state formats, as the planner resolved them in this rank's config
             cfg.train[name] = local_cfg.train[name]
         # the units whose state this rank holds (engine/distributed.py): it verifies and loads their files only
@@ -256,6 +258,8 @@ class Trainer:
         else:
             self.log(f"layers: attention {lc.attention} (train.attention={t.attention}), MLP "
                      + (f"in chunks of {lc.mlp_chunk_tokens} tokens" if lc.mlp_chunk_tokens else "unchunked"))
+        if self.plan.execution_choice:
+            self.log(self.plan.execution_choice)
         if t.deterministic:
             self.log("deterministic algorithms on (train.deterministic): CUBLAS_WORKSPACE_CONFIG="
                      f"{os.environ['CUBLAS_WORKSPACE_CONFIG']}, fixed attention kernel configs")
@@ -439,7 +443,7 @@ class Trainer:
                          "memory_plan_allocated_gib": {tier: self.plan.allocated(tier) / 2**30
                                                        for tier in ("gpu", "host")},
                          "plan_times_s": self.plan.times_s, "attention": self.execution.attention,
-                         "mlp_chunk_tokens": self.execution.mlp_chunk_tokens,
+                         "mlp_chunk_tokens": self.execution.mlp_chunk_tokens, "lean_layer": self.execution.lean,
                          "memory_bytes": self.engine.memory_bytes(), "start_step": self.start_step,
                          "depth_truncated": self.depth_truncated, "environment": run_environment()}
         stopped = None

@@ -231,6 +231,8 @@ BAD = {
     "hardware.profile_host_mem_gib": _figures("hardware.profile_host_mem_gib"),
     "hardware.host_process_gib": _figures("hardware.host_process_gib"),
     "hardware.bidir_gbps_under_adam": _figures("hardware.bidir_gbps_under_adam"),
+    "hardware.lean_step_ratio_sdpa": _figures("hardware.lean_step_ratio_sdpa"),
+    "hardware.lean_step_ratio_triton": _figures("hardware.lean_step_ratio_triton"),
     "hardware.host_compile_workers_gib": _figures("hardware.host_compile_workers_gib"),
     **{f"hardware.{key}": [*_figures(f"hardware.{key}"), f"hardware.{key}=0 hardware=h200 plan=true"]
        for key in TRANSFER_FIGURES},

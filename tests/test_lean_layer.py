@@ -7,8 +7,10 @@
 - The autograd wrapper the reference engine uses gives `lean_backward`'s gradients, and both engines train
   bit-identically through the lean layer.
 - Mixture-of-experts layers (Qwen3-MoE, gpt-oss) equal the plain MoE layer, the balance loss's gradient included.
-- `train.lean_layer=auto` takes it (and the Triton kernel) above 128K tokens a micro-batch on a GPU; `on` where it
-  cannot run is refused; the planner counts its working set.
+- `train.lean_layer=auto` resolves to it above 128K tokens a micro-batch (on cuDNN's attention, or the Triton kernel
+  where that cannot serve), and on a GPU the plan takes whichever layer plans faster in the most precise state
+  format that fits; `on` where it cannot run is refused; the planner counts its working set and times a kept lean
+  graph as the lean backward runs.
 """
 
 import pytest
@@ -19,7 +21,11 @@ from engine.execution import Execution
 from engine.model import ModelSpec, dense
 from engine.model.dense import AUTO_MLP_CHUNK_TOKENS, LEAN_CHUNK_TOKENS, LayerCompute, decoder_layer
 from engine.model.lean import lean_backward, lean_forward, lean_layer
-from engine.plan import GIB, layer_working_bytes
+from engine.formats import StateFormat
+from engine.plan import GIB, build_plan, layer_working_bytes
+from engine.plan.shape import StepShape
+from engine.plan.speeds import Speeds
+from engine.plan.time_model import StepTimer
 from tests.test_engine_equivalence import assert_same, train
 from tests.util import FP32, SMALL, make_cfg
 
@@ -248,6 +254,78 @@ def test_auto_takes_the_lean_layer_and_its_attention_above_128k_tokens():
     moe_long = _execution(["model=gptoss20b", *LONG])  # mixture-of-experts layers run lean too
     assert (moe_long.lean, moe_long.attention) == (True, "triton")
     assert _lean_and_attention(["model=qwen3_30b_a3b", *LONG]) == (True, "sdpa")
+
+
+def _plan(seq_len, overrides=()):
+    cfg = make_cfg(["model=qwen7b", "hardware=h100", "plan=true", f"train.seq_len={seq_len}",
+                    "train.micro_batch_size=1", "train.grad_accum=1", "model.max_position_embeddings=524288",
+                    *overrides])
+    return build_plan(ModelSpec(cfg.model), cfg, cfg.hardware.gpu_mem_gib, cfg.hardware.profile_host_mem_gib,
+                      on_gpu=True, check=False), cfg
+
+
+def test_auto_offers_the_plan_both_layers_on_a_gpu_only(monkeypatch):
+    """`Execution.choices`: the rule's layer first, then the other where it runs; one choice off the GPU, where
+    `on` or `off` is asked, or where the lean layer cannot run (FlashAttention returns no kept-output backward)."""
+    def lean_flags(overrides, on_gpu=True):
+        cfg = make_cfg(["model=qwen7b", "train.micro_batch_size=1", "train.grad_accum=1", *overrides])
+        return [ex.lean for ex in Execution.choices(ModelSpec(cfg.model), cfg, on_gpu=on_gpu, strict=True)]
+
+    assert lean_flags(["train.seq_len=32768"]) == [False, True]
+    assert lean_flags(LONG) == [True, False]
+    assert lean_flags(LONG, on_gpu=False) == [True]
+    assert lean_flags([*LONG, "train.lean_layer=off"]) == [False]
+    assert lean_flags(["train.seq_len=32768", "train.lean_layer=on"]) == [True]
+    monkeypatch.setattr("engine.model.attention.HAVE_FLASH_ATTN", True)  # past the check that it is installed
+    assert lean_flags(["train.seq_len=32768", "train.attention=flash_attn"]) == [False]
+
+
+@pytest.mark.parametrize("lean_ratio", [1.0, 3.0])
+def test_auto_takes_the_layer_whose_plan_is_faster(lean_ratio):
+    """At 128K tokens both layers fit qwen7b in fp32 on the H100 profile: `auto` takes the one with the shorter
+    planned step, and the lean layer's measured slowdown (hardware.lean_step_ratio_sdpa) moves the choice."""
+    over = [f"hardware.lean_step_ratio_sdpa={lean_ratio}"]
+    plan, cfg = _plan(131072, over)
+    alone = {lean: _plan(131072, [*over, f"train.lean_layer={lean}"])[0] for lean in ("on", "off")}
+    steps = {lean: p.times_s["step"] for lean, p in alone.items()}
+    faster = min(steps, key=steps.get)
+    assert plan.execution.lean == (faster == "on") and plan.times_s["step"] == steps[faster]
+    assert plan.execution.lean == (lean_ratio == 1.0)  # at 3x the lean layer loses what it saves in recompute
+    taken, other = ("lean", "plain") if plan.execution.lean else ("plain", "lean")
+    assert plan.execution_choice == (f"train.lean_layer=auto: the {taken} layer ({steps[faster]:.2f} s a step "
+                                     f"planned; the {other} layer: {max(steps.values()):.2f} s a step)")
+    assert cfg.train.master_dtype == "fp32"
+
+
+def test_auto_prefers_the_more_precise_state_format_to_the_faster_step():
+    """At 256K tokens qwen7b's plain layer fits only in bf16 master + bf16 gradients, the lean layer in fp32: the
+    lean layer is taken even when its step is planned longer (its slowdown set to 3x here)."""
+    plan, cfg = _plan(262144, ["hardware.lean_step_ratio_sdpa=3.0"])
+    plain, plain_cfg = _plan(262144, ["train.lean_layer=off"])
+    assert plan.execution.lean and not plan.problem() and not plain.problem()
+    assert plan.times_s["step"] > plain.times_s["step"]
+    assert (cfg.train.master_dtype, plain_cfg.train.master_dtype) == ("fp32", "bf16")
+
+
+def test_where_neither_layer_fits_the_refusal_is_the_rules_layers():
+    plan, _ = _plan(524288, ["hardware.profile_host_mem_gib=40"])
+    assert plan.problem() and plan.execution.lean  # above 128K tokens the rule's layer is the lean one
+    assert plan.execution_choice == "train.lean_layer=auto: neither layer fits; the plan shown is the lean layer's"
+
+
+def test_a_kept_lean_layers_graph_is_timed_as_its_backward_runs():
+    """A lean layer that keeps its graph (engine.keep_activation_layers) back-propagates through the lean layer's
+    own backward, which rebuilds every op but attention's forward: the time model prices it as a recomputed layer
+    with its attention output kept, not as a plain layer's graph (two forwards' worth)."""
+    cfg = make_cfg(["model=qwen7b", "hardware=h100", "plan=true", "train.micro_batch_size=1", "train.grad_accum=1",
+                    "train.seq_len=65536", "train.lean_layer=on"])
+    spec = ModelSpec(cfg.model)
+    ex = Execution.of(spec, cfg, on_gpu=True)
+    s = StepShape(spec, cfg, True, StateFormat(), execution=ex)
+    timer = StepTimer(s, Speeds(cfg.hardware, True, ex.attention, False, spec.arch.hidden, s.seq_len, lean=True))
+    assert timer.bwd_kept == timer.bwd_attention_kept
+    assert timer.bwd_kept > Speeds(cfg.hardware, True, ex.attention, False, spec.arch.hidden, s.seq_len,
+                                   lean=True).layer_bwd_s(s, 2)
 
 
 @pytest.mark.parametrize("overrides, message", [

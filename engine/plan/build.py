@@ -4,7 +4,7 @@ the compiled kernels in this process)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from engine.execution import Execution
 from engine.config import exact_state_required
@@ -15,15 +15,39 @@ from engine.plan.stream import StreamPlanner
 
 
 def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: bool = True,
-               state_ranks: int = 1, execution: Optional[Execution] = None) -> MemoryPlan:
+               state_ranks: int = 1, executions: Optional[Sequence[Execution]] = None) -> MemoryPlan:
     """The plan of `cfg.engine` for `spec`, within `gpu_gib` of HBM (when `on_gpu`) and `host_gib` of host RAM.
     `state_ranks`: the data-parallel ranks the stream engine's host state is sharded over (engine/distributed.py);
-    the host rows are those of the rank holding the most. `execution`: what the run executes (the trainer's, so that
-    both price the same run), resolved from the config when not given. `check`: raise PlanError when it does not
-    fit, with the table and what would fit. Where `host_gib` comes from (a `HostBudget`'s source, engine/hardware.py)
-    is the plan's `host_source`. State-format fields left `auto` are resolved in `cfg` first (`choose_state_format`);
-    the plan's `format_choice` says what was chosen."""
-    ex = execution or Execution.of(spec, cfg, on_gpu)
+    the host rows are those of the rank holding the most. `executions`: what the run may execute (the trainer's
+    `Execution.choices`, so that both price the same run), resolved from the config when not given; of several,
+    the plan takes the one with the most precise state format that fits, then the shortest step (`plan.execution`
+    is the one taken, `plan.execution_choice` says why), and a refusal is the first one's. `check`: raise PlanError
+    when it does not fit, with the table and what would fit. Where `host_gib` comes from (a `HostBudget`'s source,
+    engine/hardware.py) is the plan's `host_source`. State-format fields left `auto` are resolved in `cfg` first
+    (`choose_state_format`); the plan's `format_choice` says what was chosen."""
+    options = list(executions or Execution.choices(spec, cfg, on_gpu))
+    asked = {f: cfg.train[f] for f in FIELDS}
+    planned = []  # (plan, the state-format fields it resolved) per execution
+    for ex in options:
+        for f, value in asked.items():
+            cfg.train[f] = value
+        planned.append((_plan_of(spec, cfg, gpu_gib, host_gib, ex, state_ranks), {f: cfg.train[f] for f in FIELDS}))
+    format_rank = {fmt: rank for rank, fmt in enumerate(all_formats(cfg.train.moments_block_size))}  # 0: most precise
+    taken = min(range(len(options)),
+                key=lambda i: _preference(i, planned[i][0], format_rank[_format(cfg, planned[i][1])]))
+    plan, fields = planned[taken]
+    for f, value in fields.items():
+        cfg.train[f] = value
+    plan.execution = options[taken]
+    if len(options) > 1:
+        plan.execution_choice = _execution_choice_line(options, [p for p, _ in planned], taken)
+    if check and plan.problem():
+        raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
+    return plan
+
+
+def _plan_of(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, state_ranks: int) -> MemoryPlan:
+    """The unchecked plan of one execution, its state format resolved in `cfg`; a refusal carries what would fit."""
     choice, plan = choose_state_format(spec, cfg, gpu_gib, host_gib, ex, state_ranks)
     fmt = StateFormat.of(cfg.train)
     if plan is None:
@@ -34,9 +58,34 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
     if plan.problem():
         plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
         plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, ex, state_ranks))
-    if check and plan.problem():
-        raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
     return plan
+
+
+def _format(cfg, fields: dict) -> StateFormat:
+    return StateFormat(fields["master_dtype"], fields["moments_dtype"], fields["grad_dtype"],
+                       cfg.train.moments_block_size)
+
+
+def _preference(index: int, plan: MemoryPlan, format_rank: int) -> tuple:
+    """Sort key of one execution's plan: those that fit first, the most precise state format (`format_rank` 0),
+    the shortest step, then the order given (ties keep the first)."""
+    if plan.problem():
+        return (1, index)
+    return (0, format_rank, plan.times_s.get("step", 0.0), index)
+
+
+def _execution_choice_line(options: Sequence[Execution], plans: Sequence[MemoryPlan], taken: int) -> str:
+    """For the banner: which layer `train.lean_layer=auto` took and the planned step of each."""
+    def name(ex: Execution) -> str:
+        return "the lean layer" if ex.lean else "the plain layer"
+
+    def planned(plan: MemoryPlan) -> str:
+        return "does not fit" if plan.problem() else f"{plan.times_s.get('step', 0.0):.2f} s a step"
+
+    if plans[taken].problem():
+        return f"train.lean_layer=auto: neither layer fits; the plan shown is {name(options[taken])}'s"
+    others = "; ".join(f"{name(ex)}: {planned(p)}" for i, (ex, p) in enumerate(zip(options, plans)) if i != taken)
+    return f"train.lean_layer=auto: {name(options[taken])} ({planned(plans[taken])} planned; {others})"
 
 
 def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution,

@@ -4,9 +4,12 @@ predicted step; and the host memory of the training process itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from engine.placement import Placement
+
+if TYPE_CHECKING:
+    from engine.execution import Execution
 
 GIB = 2**30
 
@@ -26,6 +29,8 @@ class MemoryPlan:
     speeds: str = ""  # where the time model's figures come from
     suggestions: List[str] = field(default_factory=list)  # smaller state formats that fit, for a refusal
     format_choice: str = ""  # how `auto` state formats were resolved (engine/plan/build.py), for the banner
+    execution: Optional["Execution"] = None  # what the run executes (engine/execution.py), as the plan chose it
+    execution_choice: str = ""  # how the plan chose between executions (engine/plan/build.py), for the banner
     notes: List[str] = field(default_factory=list)  # for a refusal: what else was tried
     # where the host limit comes from (engine/hardware.py, host_budget: measured, hardware.host_mem_gib or the
     # profile's), for the table and a refusal; "" unknown
@@ -102,6 +107,8 @@ class MemoryPlan:
             lines.append(f"host memory planned with: {self.limits_gib.get('host', 0.0):.1f} GiB ({self.host_source})")
         if self.format_choice:
             lines.append(self.format_choice)
+        if self.execution_choice:
+            lines.append(self.execution_choice)
         if self.placement:
             lines.append("placement: " + ", ".join(f"{k}={v}" for k, v in self.placement_settings().items()))
         if self.times_s:

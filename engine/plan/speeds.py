@@ -23,9 +23,11 @@ class Speeds:
     model's layers are MoE layers, timed with the profile's MoE figures where it has them."""
 
     def __init__(self, hw, compiled: bool, attention: str = "", moe: bool = False, hidden: int = 0,
-                 seq_len: int = 0):
+                 seq_len: int = 0, lean: bool = False):
         mode = "compiled" if compiled else "eager"
         self.mode = mode
+        # the lean layer's steps run this much longer than their FLOPs at the rates below (1: not measured)
+        self.lean_ratio = (hw.get(f"lean_step_ratio_{attention}", 0.0) or 1.0) if lean else 1.0
         rates, self.width_note = width_rates(hw, mode, hidden)
         self.fwd, self.bwd, self.head = (r * 1e12 for r in rates)
         # a MoE model's layers at the figures of a measured MoE layer where the profile has them
@@ -52,7 +54,7 @@ class Speeds:
     def layer_fwd_s(self, s: "StepShape", forwards: int = 1) -> float:
         """Seconds of `forwards` forwards of one layer over the step's tokens, run without autograd."""
         other = s.layer_fwd_flops - s.layer_attn_fwd_flops
-        return forwards * (other / self.fwd + s.layer_attn_fwd_flops / self.attn_fwd)
+        return forwards * (other / self.fwd + s.layer_attn_fwd_flops / self.attn_fwd) * self.lean_ratio
 
     def layer_bwd_s(self, s: "StepShape", forwards: int, skipped_flops: float = 0.0,
                     attention_forwards: Optional[int] = None) -> float:
@@ -63,13 +65,15 @@ class Speeds:
         other = forwards * (s.layer_fwd_flops - s.layer_attn_fwd_flops) - skipped_flops
         attention_passes = forwards if attention_forwards is None else attention_forwards
         attention = attention_passes * s.layer_attn_fwd_flops / self.attn_bwd
-        return other / self.bwd + attention + s.mlp_recompute_flops / self.fwd
+        return (other / self.bwd + attention + s.mlp_recompute_flops / self.fwd) * self.lean_ratio
 
     def describe(self, hw) -> str:
         line = f"speeds: the {self.mode} figures of hardware={hw.name}; calibration: {hw.calibration or 'none'}"
         if self.width_note:
             line += f"; {self.width_note}"
         line += f"; {self.attn_note}"
+        if self.lean_ratio != 1.0:
+            line += f"; the lean layer at {self.lean_ratio:.3g}x that (hardware.lean_step_ratio_*)"
         if self.moe_calibrated:
             line += f"; MoE layers at the figures of a {hw.moe_model} layer"
         elif self.moe:  # the grouped expert matmuls and their gather / scatter run well below a dense layer's rate
