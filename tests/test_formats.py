@@ -157,7 +157,8 @@ def test_a_format_plans_and_builds_with_streamed_units(tmp_path):
 
     Trainer(make_cfg(["engine=stream", "train.moments_dtype=int8", "plan=true"]), tmp_path / "plan")
     trainer = Trainer(make_cfg(["engine=stream", "train.master_dtype=bf16", "train.moments_dtype=int8",
-                                "train.grad_dtype=bf16", "engine.gpu_resident_units=2", "train.steps=1"]),
+                                "train.grad_dtype=bf16", "engine.gpu_resident_units=2", "train.steps=1",
+                                "train.val_every=-1"]),
                       tmp_path / "run")
     assert trainer.engine.streamed_units == [2, 3, 4, 5]
     trainer.run()
