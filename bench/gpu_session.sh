@@ -264,10 +264,10 @@ stage qwen32b 'python train.py model=qwen32b with the defaults, 3 steps (an H200
 stage packedattn 'document masking in the Triton attention: GPU tests, then packed rows against per-document calls' \
   'gpu_tests gpu_attention_tests.log 300 tests/kernels/test_attention.py
    bench 300 bench_attention --docs --doc-lens 512 2048 8192 --out $OUT/attention_docs.jsonl'
-stage ctx512 'qwen7b at 512K (this card'"'"'s recipe), started in a process session of its own: then ctx512wait' \
-  'train_detached ctx512k experiment=bench_qwen7b_512k_$(gpu_card) logger=none'
+stage ctx512 'qwen7b at 512K (this card'"'"'s recipe), started in a process session of its own: then ctx512wait; a later ctxsweep reports it with the sweep' \
+  'train_detached qwen7b-stream-sweep512k experiment=bench_qwen7b_512k_$(gpu_card) logger=none'
 stage ctx512wait 'waits WAIT_S for ctx512'"'"'s run, then copies its log and records (call again until it ends)' \
-  'await_detached ctx512k ${WAIT_S:-500}'
+  'await_detached qwen7b-stream-sweep512k ${WAIT_S:-500}'
 stage moe 'MoE GPU tests, then the eager MoE jobs' \
   'gpu_tests gpu_moe_tests.log 240 tests/test_moe_vs_hf.py tests/test_hf_moe.py
    grid 560 260 moe --only eager'

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 from engine.hardware import profile_for_gpu
+from engine.model.lean import AUTO_LEAN_MIN_TOKENS
 from engine.plan import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +64,13 @@ def replan(row: dict):
         overrides.append(f"hardware={profile}")
     placement = row["placement"]
     overrides += [f"engine.{k}={placement[k]}" for k in PLACEMENT_KEYS if k in placement]
+    # the layer the row ran, which `train.lean_layer=auto` now leaves to the plan: recorded since (`lean_layer`);
+    # an older row ran the plain layer up to AUTO_LEAN_MIN_TOKENS a micro-batch
+    lean = row.get("lean_layer")
+    if lean is None and row.get("seq_len", 0) * row.get("micro_batch_size", 1) <= AUTO_LEAN_MIN_TOKENS:
+        lean = False
+    if lean is not None and not any(o.startswith("train.lean_layer=") for o in overrides):
+        overrides.append(f"train.lean_layer={'on' if lean else 'off'}")
     register()
     try:  # an older row's overrides may name keys renamed or gone since
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

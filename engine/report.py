@@ -102,6 +102,7 @@ def run_row(run_dir: Path) -> dict:
         "final_val_loss": summary.get("final_val_loss"), "placement": cfg.get("plan_placement"),
         "skipped_steps": summary.get("skipped_steps"),
         "attention": summary.get("attention"), "mlp_chunk_tokens": summary.get("mlp_chunk_tokens"),
+        "lean_layer": summary.get("lean_layer"),
         "state_format": {k: t.get(k) for k in ("master_dtype", "moments_dtype", "grad_dtype", "moments_block_size")},
         "plan_step_s": (summary.get("plan_times_s") or {}).get("step"),
         # the predicted peak of tensor memory, the figure `gpu_mem_gib` measures (the budget adds the reserve)

@@ -313,6 +313,24 @@ def test_where_neither_layer_fits_the_refusal_is_the_rules_layers():
     assert plan.execution_choice == "train.lean_layer=auto: neither layer fits; the plan shown is the lean layer's"
 
 
+def test_the_trainer_runs_the_execution_its_plan_took(monkeypatch, tmp_path):
+    """The trainer builds the layer the plan chose, not the one the length rule alone gives: here the plan is
+    offered only the lean layer at 24 tokens, where the rule takes the plain one."""
+    from engine.trainer import Trainer
+
+    def lean_only(cls, spec, cfg, on_gpu, strict=False):
+        return [cls.of(spec, cfg, on_gpu, strict, lean_layer="on")]
+
+    monkeypatch.setattr(Execution, "choices", classmethod(lean_only))
+    cfg = make_cfg(["engine=stream", *SMALL, "train.seq_len=24", "train.steps=1", "train.val_every=-1"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        assert trainer.execution is trainer.plan.execution and trainer.execution.lean
+        assert trainer.spec.compute.lean and not Execution.of(trainer.spec, cfg, on_gpu=False).lean
+    finally:
+        trainer.close()
+
+
 def test_a_kept_lean_layers_graph_is_timed_as_its_backward_runs():
     """A lean layer that keeps its graph (engine.keep_activation_layers) back-propagates through the lean layer's
     own backward, which rebuilds every op but attention's forward: the time model prices it as a recomputed layer

@@ -42,3 +42,27 @@ def test_a_row_is_replanned_with_its_placement_on_its_cards_profile(tmp_path, ca
     assert "NVIDIA A100" in second["skipped"]
     printed = capsys.readouterr().out
     assert "qwen7b-64k" in printed and "skipped: no profile" in printed
+
+
+@pytest.mark.parametrize("recorded, seq_len, pinned", [(True, 32768, "on"), (False, 262144, "off"),
+                                                      (None, 65536, "off"), (None, 262144, "auto")],
+                         ids=["recorded-lean", "recorded-plain", "older-row-short", "older-row-long"])
+def test_a_row_is_replanned_with_the_layer_it_ran(recorded, seq_len, pinned):
+    """`train.lean_layer=auto` leaves the layer to the plan: a row is re-planned with the layer it recorded, and an
+    older row without the record with the plain layer up to 128K tokens a micro-batch (the rule it ran under)."""
+    over = ["model=qwen7b", "engine=stream", "train=bench", f"train.seq_len={seq_len}", "train.micro_batch_size=1",
+            "train.grad_accum=1", "model.max_position_embeddings=524288"]
+    placement = {"slots": 2, "keep_activation_layers": 0, "recompute_group": 4, "activation_tier": "host",
+                 "grads_tier": "host", "cache_weights": "off", "gpu_resident_units": 0, "gpu_streamed_units": 0,
+                 "nvme_units": 0}
+    row = {"job": "ctx", "engine": "stream", "overrides": over, "placement": placement, "step_s": 1.0,
+           "gpu": "NVIDIA H100 80GB HBM3", "seq_len": seq_len, "micro_batch_size": 1}
+    if recorded is not None:
+        row["lean_layer"] = recorded
+    fixed = [f"engine.{k}={v}" for k, v in placement.items()]
+    cfg = make_cfg([*over, "hardware=h100", *fixed, f"train.lean_layer={pinned}", "plan=true"])
+    expected = build_plan(ModelSpec(cfg.model), cfg, cfg.hardware.gpu_mem_gib, cfg.hardware.profile_host_mem_gib,
+                          on_gpu=True, check=False)
+    replanned = plan_backtest.replan(row)
+    assert replanned.execution.lean == expected.execution.lean
+    assert replanned.times_s["step"] == pytest.approx(expected.times_s["step"], rel=1e-12)
