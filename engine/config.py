@@ -38,6 +38,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from engine import formats
 from engine.device import CUBLAS_DETERMINISTIC_WORKSPACES
+from streamtrain_kernels.adamw_update import BLOCK_SIZE_RANGE  # int8 moments: whole blocks in the fused kernel's tile
 
 
 def _conf_dir() -> Path:
@@ -808,7 +809,7 @@ def _validate_train(cfg: DictConfig) -> None:
                           f"under which cuBLAS is not reproducible; unset it (the run then sets "
                           f"{CUBLAS_DETERMINISTIC_WORKSPACES[0]}) or use one of "
                           f"{', '.join(CUBLAS_DETERMINISTIC_WORKSPACES)}")
-    lo, hi = formats.BLOCK_SIZE_RANGE
+    lo, hi = BLOCK_SIZE_RANGE
     if not lo <= t.moments_block_size <= hi or t.moments_block_size & (t.moments_block_size - 1):
         raise ConfigError(f"train.moments_block_size={t.moments_block_size} is not valid; use a power of two in "
                           f"[{lo}, {hi}] (elements per fp32 scale of the int8 moments)")

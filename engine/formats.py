@@ -25,8 +25,6 @@ import itertools
 from dataclasses import dataclass
 from typing import Tuple
 
-from streamtrain_kernels.adamw_update import BLOCK_SIZE_RANGE  # int8 moments: whole blocks in the fused kernel's tile
-
 AUTO = "auto"
 MASTER_DTYPES = ("fp32", "bf16")
 MOMENTS_DTYPES = ("fp32", "bf16", "int8")

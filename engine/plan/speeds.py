@@ -20,7 +20,9 @@ class Speeds:
     512K; one rate fitted at 4K made the 32K step 17% short on an H200). `attention`: the run's backend, named in
     `describe` when it is not the one the attention figures were measured with; `seq_len`: the run's tokens per
     sequence, where the figures of that backend are read (`attention_rates`; 0: the main figures). `moe`: the
-    model's layers are MoE layers, timed with the profile's MoE figures where it has them."""
+    model's layers are MoE layers, timed with the profile's MoE figures where it has them. `lean`: the layers run
+    lean (engine/model/lean.py), at `hardware.lean_step_ratio_<attention>` times these figures' time (measured on a
+    dense layer; MoE layers are assumed to pay the same)."""
 
     def __init__(self, hw, compiled: bool, attention: str = "", moe: bool = False, hidden: int = 0,
                  seq_len: int = 0, lean: bool = False):
