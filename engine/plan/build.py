@@ -27,27 +27,29 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
     (`choose_state_format`); the plan's `format_choice` says what was chosen."""
     options = list(executions or Execution.choices(spec, cfg, on_gpu))
     asked = {f: cfg.train[f] for f in FIELDS}
-    planned = []  # (plan, the state-format fields it resolved) per execution
+    planned = []  # (plan, the state format it resolved) per execution
     for ex in options:
         for f, value in asked.items():
             cfg.train[f] = value
-        planned.append((_plan_of(spec, cfg, gpu_gib, host_gib, ex, state_ranks), {f: cfg.train[f] for f in FIELDS}))
+        plan = _plan_of(spec, cfg, gpu_gib, host_gib, ex, state_ranks)
+        planned.append((plan, StateFormat.of(cfg.train)))
     format_rank = {fmt: rank for rank, fmt in enumerate(all_formats(cfg.train.moments_block_size))}  # 0: most precise
-    taken = min(range(len(options)),
-                key=lambda i: _preference(i, planned[i][0], format_rank[_format(cfg, planned[i][1])]))
-    plan, fields = planned[taken]
-    for f, value in fields.items():
-        cfg.train[f] = value
-    plan.execution = options[taken]
+    taken = min(range(len(options)), key=lambda i: _preference(i, planned[i][0], format_rank[planned[i][1]]))
+    plan, fmt = planned[taken]
+    ex = plan.execution = options[taken]
+    _set_state_format(cfg.train, fmt)
     if len(options) > 1:
         plan.execution_choice = _execution_choice_line(options, [p for p, _ in planned], taken)
+    if plan.problem():  # what would fit, for the refusal of the plan taken only
+        plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
+        plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, ex, state_ranks))
     if check and plan.problem():
         raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
     return plan
 
 
 def _plan_of(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, state_ranks: int) -> MemoryPlan:
-    """The unchecked plan of one execution, its state format resolved in `cfg`; a refusal carries what would fit."""
+    """The unchecked plan of one execution, its state format resolved in `cfg`."""
     choice, plan = choose_state_format(spec, cfg, gpu_gib, host_gib, ex, state_ranks)
     fmt = StateFormat.of(cfg.train)
     if plan is None:
@@ -55,15 +57,13 @@ def _plan_of(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, state_ra
     plan.format_choice = choice or f"state format: {fmt.overrides()} (as configured)"
     plan.host_source = getattr(host_gib, "source", "")
     plan.gpu_cap_gib = cfg.hardware.gpu_mem_cap_gib
-    if plan.problem():
-        plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
-        plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, ex, state_ranks))
     return plan
 
 
-def _format(cfg, fields: dict) -> StateFormat:
-    return StateFormat(fields["master_dtype"], fields["moments_dtype"], fields["grad_dtype"],
-                       cfg.train.moments_block_size)
+def _set_state_format(train_cfg, fmt: StateFormat) -> None:
+    """Write `fmt`'s dtypes into `train.master_dtype/moments_dtype/grad_dtype`."""
+    for f in FIELDS:
+        train_cfg[f] = getattr(fmt, f.split("_")[0])
 
 
 def _preference(index: int, plan: MemoryPlan, format_rank: int) -> tuple:
@@ -116,8 +116,7 @@ def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Executio
             break
     fits = chosen is not None
     chosen = chosen or candidates[0]
-    for f in FIELDS:
-        t[f] = getattr(chosen, f.split("_")[0])
+    _set_state_format(t, chosen)
     why = ("the most precise that fits" if tried == 1 else
            f"the most precise that fits ({tried - 1} more precise do not)") if fits else \
         "none of the allowed formats fits; planning the most precise"

@@ -80,11 +80,11 @@ class StepTimer:
         self.layer_fwd = sp.layer_fwd_s(s)  # sp.layer_fwd_s(s, k) is k times this
         self.compute = [self.layer_fwd if 1 <= u <= s.L else 0.0 for u in range(self.n_units)]
         self.forward_compute = sum(self.compute)
-        # a kept lean layer's graph is the lean layer's autograd Function, whose backward rebuilds every op but the
-        # attention's forward chunk by chunk (engine/model/lean.py): its attention output kept, not a whole graph
-        self.bwd_kept = sp.layer_bwd_s(s, 3, s.recompute_skipped_flops, 2) if s.lean else sp.layer_bwd_s(s, 2)
         self.bwd_recomputed = sp.layer_bwd_s(s, 3, s.recompute_skipped_flops, None)
         self.bwd_attention_kept = sp.layer_bwd_s(s, 3, s.recompute_skipped_flops, 2)
+        # a kept lean layer's graph is the lean layer's autograd Function, whose backward rebuilds every op but the
+        # attention's forward chunk by chunk (engine/model/lean.py): its attention output kept, not a whole graph
+        self.bwd_kept = self.bwd_attention_kept if s.lean else sp.layer_bwd_s(s, 2)
         self.head = s.head_flops / sp.head
         self.resident_adam = [s.fmt.update_hbm_bytes(n) / HBM_ADAMW_BYTES_PER_S  # per GPU-resident count
                               for n in accumulate(numel, initial=0)]
