@@ -165,6 +165,15 @@ GRIDS = {
                                           "train.micro_batch_size=4", "train.grad_accum=4", f"train.compile={flag}"])
         for mode, flag in [("eager", "off"), ("compiled", "on")]
     ],
+    # gpt-oss-20b, compiled, at more tokens a step (4 x 4096 x 8 and x 12): the forward's stream of every unit's state
+    # then hides behind more compute; the planner puts layer inputs in recompute groups of 2 and held gradients on
+    # the host to fit
+    "moetokens": [
+        (f"gptoss20b-stream-{4 * accum * 4}k-compiled", ["experiment=bench_gptoss20b_h200", "data=stdlib", "train.steps=4",
+                                                       "train.micro_batch_size=4", f"train.grad_accum={accum}",
+                                                       "train.compile=on"])
+        for accum in (8, 12)
+    ],
     # gpt-oss-20b next to DeepSpeed ZeRO-3 offload measured in the same call (`--peers`): at its published width,
     # depth-truncated to the 3 of 24 layers whose DeepSpeed state a 128 GiB host holds (3.63B parameters, ~91 GiB by
     # DeepSpeed's 27 bytes a parameter; 4 layers would be ~112 GiB, full depth ~526 GiB), 64K tokens a step

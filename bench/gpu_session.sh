@@ -275,6 +275,8 @@ stage moecompiled 'the compiled MoE jobs' \
   'grid 560 180 moe --only compiled'
 stage moe64k 'gpt-oss-20b at full depth, 64K tokens a step, held gradients partly on the host: eager, compiled' \
   'grid 580 280 moe64k'
+stage moetokens 'gpt-oss-20b at full depth, compiled, 128K and 192K tokens a step (AB_JOBS: one of them)' \
+  'grid 580 ${JOB_S:-280} moetokens $(only AB_JOBS)'
 stage moe20 'gpt-oss-20b at full depth, eager (JOB_S: its time limit)' \
   'grid $((${JOB_S:-280} + 20)) ${JOB_S:-280} moe --only gptoss20b-stream-16k-eager'
 stage moe30 'Qwen3-30B-A3B at full depth, eager (H200)' \
