@@ -26,6 +26,8 @@ def start_banner(cfg, spec, plan, execution, run_dir, ckpt_root, start_step: int
              + f", {t.micro_batch_size} x {t.seq_len} tokens x {t.grad_accum} micro-batches = {step_tokens:,} "
              f"tokens per step" + (f" on each of {world} ranks" if world > 1 else ""),
              f"engine: {cfg.engine.name}, " + ("compiled" if execution.compiled else "eager")]
+    if plan.grad_accum_choice:
+        lines.insert(2, plan.grad_accum_choice)
     if plan.format_choice:
         lines.append(plan.format_choice)
     if plan.placement is not None:

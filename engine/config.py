@@ -67,6 +67,7 @@ RENAMED = {"engine.checkpoint_tier": "engine.activation_tier",
 
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")  # train.attention (engine/model/attention.py)
 AUTO_ON_OFF = ("auto", "on", "off")
+GRAD_ACCUM_AUTO = -1  # train.grad_accum: the plan chooses (engine/plan/micro_batches.py)
 TIER_CHOICES = ("auto", "gpu", "host")
 
 
@@ -124,7 +125,10 @@ class TrainConfig:
     steps: int = 150  # optimizer steps of the run (the LR schedule's length; train.resume may extend it)
     seq_len: int = 256  # tokens per sequence (packed data: per row)
     micro_batch_size: int = 16  # sequences per micro-batch (one forward and backward)
-    grad_accum: int = 1  # micro-batches per optimizer step
+    # micro-batches per optimizer step; -1 (engine=stream, planned on a GPU or for a GPU profile): the fewest, up to
+    # 64, whose forward computes at least as long as it streams the weights, else the most that fit (a larger batch:
+    # opt-in; engine/plan/micro_batches.py)
+    grad_accum: int = 1
     lr: float = 3e-3  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20  # linear warm-up from lr / warmup_steps to lr
@@ -509,9 +513,9 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(map(str, allowed))}")
 
 
-def _positive(key: str, value: int, minimum: int = 1) -> None:
+def _positive(key: str, value: int, minimum: int = 1, why: str = "") -> None:
     if value < minimum:
-        raise ConfigError(f"{key}={value} must be >= {minimum}")
+        raise ConfigError(f"{key}={value} must be >= {minimum}{why}")
 
 
 def _real(key: str, value: float, low: float, high: float = math.inf, *, low_open: bool = False,
@@ -787,7 +791,8 @@ def _validate_train(cfg: DictConfig) -> None:
     _positive("train.steps", t.steps)
     _positive("train.seq_len", t.seq_len)
     _positive("train.micro_batch_size", t.micro_batch_size)
-    _positive("train.grad_accum", t.grad_accum)
+    if t.grad_accum != GRAD_ACCUM_AUTO:
+        _positive("train.grad_accum", t.grad_accum, why=f", or {GRAD_ACCUM_AUTO} (auto: chosen by the plan)")
     _positive("train.log_every", t.log_every)
     _positive("train.val_every", t.val_every, -1)
     _positive("train.val_batches", t.val_batches)

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from engine.config import ConfigError
+from engine.config import GRAD_ACCUM_AUTO, ConfigError
 
 
 @dataclass
@@ -176,6 +176,9 @@ def init(device_name: str, grad_accum: int, timeout_min: float = 30.0) -> DataPa
     if world <= 1:
         return SINGLE
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if grad_accum == GRAD_ACCUM_AUTO:
+        raise ConfigError(f"train.grad_accum={GRAD_ACCUM_AUTO} (auto) is planned for one process; with "
+                          f"WORLD_SIZE={world} set the micro-batches per step, a multiple of {world}")
     if grad_accum % world:
         raise ConfigError(f"train.grad_accum={grad_accum} micro-batches per step do not split over WORLD_SIZE={world} "
                           f"ranks: use a multiple of {world} (each rank runs grad_accum / WORLD_SIZE of them)")

@@ -7,45 +7,93 @@ from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
 from engine.execution import Execution
-from engine.config import exact_state_required
+from engine.config import GRAD_ACCUM_AUTO, ConfigError, exact_state_required
 from engine.formats import FIELDS, StateFormat, all_formats, candidate_formats, format_is_open
 from engine.plan.memory import GIB, MemoryPlan, PlanError
+from engine.plan.micro_batches import choose_micro_batches
 from engine.plan.reference import reference_plan
 from engine.plan.stream import StreamPlanner
 
 
 def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: bool = True,
                state_ranks: int = 1, executions: Optional[Sequence[Execution]] = None) -> MemoryPlan:
+    """The plan of `cfg.engine` for `spec` (`_plan_executions`). `train.grad_accum=-1` is resolved in `cfg` first
+    (engine/plan/micro_batches.py): each count tried is planned in full, from the state formats as configured, and
+    the plan's `grad_accum_choice` says what was taken. `check`: raise PlanError when the plan does not fit, with
+    the table and what would fit."""
+    if cfg.train.grad_accum != GRAD_ACCUM_AUTO:
+        plan = _plan_executions(spec, cfg, gpu_gib, host_gib, on_gpu, state_ranks, executions)
+    else:
+        plan = _plan_micro_batches(spec, cfg, gpu_gib, host_gib, on_gpu, state_ranks, executions)
+    if check and plan.problem():
+        raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
+    return plan
+
+
+def _plan_micro_batches(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, state_ranks: int,
+                        executions: Optional[Sequence[Execution]]) -> MemoryPlan:
+    """`train.grad_accum=-1` resolved in `cfg` (with the state formats the chosen count's plan resolved): the plan of
+    the count taken, whose `grad_accum_choice` says why. A plan without step times cannot choose: refused."""
+    asked = {f: cfg.train[f] for f in FIELDS}
+    resolved = {}  # the state format each count's plan resolved
+
+    def plan_with(n: int) -> MemoryPlan:
+        cfg.train.grad_accum = n
+        _set_fields(cfg.train, asked)
+        plan = _plan_executions(spec, cfg, gpu_gib, host_gib, on_gpu, state_ranks, executions, explain=False)
+        if not plan.times_s:
+            raise ConfigError(f"train.grad_accum={GRAD_ACCUM_AUTO} (auto) chooses the micro-batches from the plan's "
+                              "step times, and this plan has none (engine=stream's plan on a GPU or for a GPU "
+                              "profile has them): set train.grad_accum to a number of micro-batches, 1 or more")
+        resolved[n] = {f: cfg.train[f] for f in FIELDS}
+        return plan
+
+    choice = choose_micro_batches(plan_with)
+    cfg.train.grad_accum = choice.grad_accum
+    _set_fields(cfg.train, resolved[choice.grad_accum])
+    plan = choice.plan
+    plan.grad_accum_choice = choice.line
+    if plan.problem():
+        _explain_refusal(spec, cfg, gpu_gib, host_gib, plan, state_ranks)
+    return plan
+
+
+def _plan_executions(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, state_ranks: int,
+                     executions: Optional[Sequence[Execution]], explain: bool = True) -> MemoryPlan:
     """The plan of `cfg.engine` for `spec`, within `gpu_gib` of HBM (when `on_gpu`) and `host_gib` of host RAM.
     `state_ranks`: the data-parallel ranks the stream engine's host state is sharded over (engine/distributed.py);
     the host rows are those of the rank holding the most. `executions`: what the run may execute (the trainer's
     `Execution.choices`, so that both price the same run), resolved from the config when not given; of several,
     the plan takes the one with the most precise state format that fits, then the shortest step (`plan.execution`
-    is the one taken, `plan.execution_choice` says why), and a refusal is the first one's. `check`: raise PlanError
-    when it does not fit, with the table and what would fit. Where `host_gib` comes from (a `HostBudget`'s source,
-    engine/hardware.py) is the plan's `host_source`. State-format fields left `auto` are resolved in `cfg` first
-    (`choose_state_format`); the plan's `format_choice` says what was chosen."""
+    is the one taken, `plan.execution_choice` says why), and a refusal is the first one's. Where `host_gib` comes
+    from (a `HostBudget`'s source, engine/hardware.py) is the plan's `host_source`. State-format fields left `auto`
+    are resolved in `cfg` first (`choose_state_format`); the plan's `format_choice` says what was chosen.
+    `explain`: a plan that does not fit looks for what would (`_explain_refusal`)."""
     options = list(executions or Execution.choices(spec, cfg, on_gpu))
     asked = {f: cfg.train[f] for f in FIELDS}
     planned = []  # (plan, the state format it resolved) per execution
     for ex in options:
-        for f, value in asked.items():
-            cfg.train[f] = value
+        _set_fields(cfg.train, asked)
         plan = _plan_of(spec, cfg, gpu_gib, host_gib, ex, state_ranks)
         planned.append((plan, StateFormat.of(cfg.train)))
     format_rank = {fmt: rank for rank, fmt in enumerate(all_formats(cfg.train.moments_block_size))}  # 0: most precise
     taken = min(range(len(options)), key=lambda i: _preference(i, planned[i][0], format_rank[planned[i][1]]))
     plan, fmt = planned[taken]
-    ex = plan.execution = options[taken]
+    plan.execution = options[taken]
     _set_state_format(cfg.train, fmt)
     if len(options) > 1:
         plan.execution_choice = _execution_choice_line(options, [p for p, _ in planned], taken)
-    if plan.problem():  # what would fit, for the refusal of the plan taken only
-        plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
-        plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, ex, state_ranks))
-    if check and plan.problem():
-        raise PlanError(f"{plan.table()}\n\n{plan.problem()}")
+    if explain and plan.problem():  # for the refusal of the plan taken only
+        _explain_refusal(spec, cfg, gpu_gib, host_gib, plan, state_ranks)
     return plan
+
+
+def _explain_refusal(spec, cfg, gpu_gib: float, host_gib: float, plan: MemoryPlan, state_ranks: int) -> None:
+    """What would fit, for a refusal of `plan` (made from `cfg`): smaller state formats, building the compiled
+    kernels in this process."""
+    ex = plan.execution
+    plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, ex, StateFormat.of(cfg.train), state_ranks)
+    plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, ex, state_ranks))
 
 
 def _plan_of(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, state_ranks: int) -> MemoryPlan:
@@ -62,8 +110,12 @@ def _plan_of(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, state_ra
 
 def _set_state_format(train_cfg, fmt: StateFormat) -> None:
     """Write `fmt`'s dtypes into `train.master_dtype/moments_dtype/grad_dtype`."""
-    for f in FIELDS:
-        train_cfg[f] = getattr(fmt, f.split("_")[0])
+    _set_fields(train_cfg, {f: getattr(fmt, f.split("_")[0]) for f in FIELDS})
+
+
+def _set_fields(train_cfg, values: dict) -> None:
+    for f, value in values.items():
+        train_cfg[f] = value
 
 
 def _preference(index: int, plan: MemoryPlan, format_rank: int) -> tuple:

@@ -31,6 +31,7 @@ class MemoryPlan:
     format_choice: str = ""  # how `auto` state formats were resolved (engine/plan/build.py), for the banner
     execution: Optional["Execution"] = None  # what the run executes (engine/execution.py), as the plan chose it
     execution_choice: str = ""  # how the plan chose between executions (engine/plan/build.py), for the banner
+    grad_accum_choice: str = ""  # how `train.grad_accum=-1` was resolved (engine/plan/micro_batches.py)
     notes: List[str] = field(default_factory=list)  # for a refusal: what else was tried
     # where the host limit comes from (engine/hardware.py, host_budget: measured, hardware.host_mem_gib or the
     # profile's), for the table and a refusal; "" unknown
@@ -109,6 +110,8 @@ class MemoryPlan:
             lines.append(self.format_choice)
         if self.execution_choice:
             lines.append(self.execution_choice)
+        if self.grad_accum_choice:
+            lines.append(self.grad_accum_choice)
         if self.placement:
             lines.append("placement: " + ", ".join(f"{k}={v}" for k, v in self.placement_settings().items()))
         if self.times_s:
