@@ -174,6 +174,13 @@ GRIDS = {
                                                        "train.compile=on"])
         for accum in (8, 12)
     ],
+    # qwen7b at 4K tokens a micro-batch, where the forward waits on the weight stream: one micro-batch a step, and the
+    # count train.grad_accum=-1 chooses (the fewest whose forward hides the stream)
+    "autotokens": [
+        (f"qwen7b-stream-4k-ga{name}", ["model=qwen7b", "engine=stream", *THROUGHPUT, SEQ, "train.micro_batch_size=1",
+                                        f"train.grad_accum={accum}", "train.steps=4"])
+        for name, accum in (("1", 1), ("auto", -1))
+    ],
     # gpt-oss-20b next to DeepSpeed ZeRO-3 offload measured in the same call (`--peers`): at its published width,
     # depth-truncated to the 3 of 24 layers whose DeepSpeed state a 128 GiB host holds (3.63B parameters, ~91 GiB by
     # DeepSpeed's 27 bytes a parameter; 4 layers would be ~112 GiB, full depth ~526 GiB), 64K tokens a step

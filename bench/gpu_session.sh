@@ -275,6 +275,8 @@ stage moecompiled 'the compiled MoE jobs' \
   'grid 560 180 moe --only compiled'
 stage moe64k 'gpt-oss-20b at full depth, 64K tokens a step, held gradients partly on the host: eager, compiled' \
   'grid 580 280 moe64k'
+stage autotokens 'qwen7b at 4K tokens a micro-batch: 1 micro-batch a step, then the count train.grad_accum=-1 takes' \
+  'grid 400 180 autotokens'
 stage moetokens 'gpt-oss-20b at full depth, compiled, 128K and 192K tokens a step (AB_JOBS: one of them)' \
   'grid 580 ${JOB_S:-280} moetokens $(only AB_JOBS)'
 stage moe20 'gpt-oss-20b at full depth, eager (JOB_S: its time limit)' \

@@ -7,7 +7,9 @@ from those overrides, with the placement it ran fixed (`engine.gpu_resident_unit
 of the card it ran on (its `gpu` name mapped as `hardware=auto` maps it) unless its overrides name one, and planned
 as `python train.py ... plan=true` plans it. Printed per row: the measured step, the plan the row carried from its
 own run (`plan_step_s`, where it has one), today's plan and its error, the forward and backward phases, the GPU
-peak (tensor memory) and the host peak (the process and torch.compile's workers), measured and planned; a row
+peak (tensor memory), the host peak (the process and torch.compile's workers) and the host AdamW's pass, measured
+and planned; then, per card, the median rate of the host AdamW inside the steps (the parameters it updated over its
+pass: `hardware.cpu_adam_gparams_per_s_in_step`, rows with moments on NVMe left out). A row
 whose overrides no longer compose is listed as skipped, with the reason (the renamed `train=throughput` and
 `+experiment=<name>` are read as today's `train=bench` and `experiment=bench_<name>`). The rows come from older commits, so a
 gap can be the engine's change as well as the planner's: the use is comparing a planner change on the same rows
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from engine.hardware import profile_for_gpu
@@ -47,6 +50,12 @@ def current_spelling(overrides) -> list:
 
 def replan(row: dict):
     """The current planner's MemoryPlan for a measured row, or the reason it cannot be re-planned."""
+    planned = _replan(row)
+    return planned if isinstance(planned, str) else planned[0]
+
+
+def _replan(row: dict):
+    """`replan`'s plan and the parameters its host AdamW updates each step, or the reason it cannot be re-planned."""
     from hydra import compose, initialize_config_dir
 
     from engine import hardware
@@ -84,7 +93,9 @@ def replan(row: dict):
     hw = cfg.hardware
     host_gib = hardware.HostBudget(hw.host_mem_gib, "hardware.host_mem_gib") if hw.host_mem_gib > 0 else \
         hardware.HostBudget(hw.profile_host_mem_gib, f"hardware.profile_host_mem_gib of hardware={hw.name}")
-    return build_plan(ModelSpec(cfg.model), cfg, gpu_gib, host_gib, on_gpu=True, check=False)
+    spec = ModelSpec(cfg.model)
+    plan = build_plan(spec, cfg, gpu_gib, host_gib, on_gpu=True, check=False)
+    return plan, sum(spec.units[u].layout.numel for u in plan.placement.host_units)
 
 
 def host_gib(row: dict):
@@ -99,20 +110,43 @@ def backtest(rows):
     for row in rows:
         if row.get("engine") != "stream" or not row.get("step_s") or not row.get("placement"):
             continue
-        plan = replan(row)
+        planned = _replan(row)
         entry = {"job": row.get("job"), "gpu": row.get("gpu"), "git_sha": row.get("git_sha"),
                  "step_s": row["step_s"], "plan_then_s": row.get("plan_step_s")}
-        if isinstance(plan, str):
-            entry["skipped"] = plan
+        if isinstance(planned, str):
+            entry["skipped"] = planned
         else:
+            plan, host_params = planned
             times = plan.times_s
             entry.update(plan_now_s=times["step"], error_now=times["step"] / row["step_s"] - 1,
                          forward_s=row.get("median_forward_s"), plan_forward_s=times["forward"],
                          backward_s=row.get("median_backward_s"), plan_backward_s=times["backward"],
                          gpu_gib=row.get("gpu_mem_gib"), plan_gpu_gib=plan.allocated("gpu") / GIB,
-                         host_gib=host_gib(row), plan_host_gib=plan.total("host") / GIB)
+                         host_gib=host_gib(row), plan_host_gib=plan.total("host") / GIB,
+                         host_adamw_s=row.get("median_optimizer_s"), plan_host_adamw_s=times["host_adamw"],
+                         host_adamw_gparams_per_s=host_adamw_rate(row, host_params))
         out.append(entry)
     return out
+
+
+def host_adamw_rate(row: dict, host_params: int):
+    """The host AdamW's rate in the row's steps (G parameters/s): the parameters it updated over its median pass
+    (`optimizer_s`); None without host-updated units, or with moments on NVMe (the pass then waits on the disk)."""
+    if not host_params or not row.get("median_optimizer_s") or row["placement"].get("nvme_units"):
+        return None
+    return host_params / row["median_optimizer_s"] / 1e9
+
+
+def host_adamw_summary(table) -> str:
+    """The median in-step host AdamW rate per card, for `hardware.cpu_adam_gparams_per_s_in_step`."""
+    lines = []
+    for card in sorted({profile_for_gpu(e["gpu"] or "") or "?" for e in table}):
+        rates = sorted(e["host_adamw_gparams_per_s"] for e in table if e.get("host_adamw_gparams_per_s")
+                       and (profile_for_gpu(e["gpu"] or "") or "?") == card)
+        if rates:
+            lines.append(f"{card}: host AdamW in steps, median {statistics.median(rates):.3f} G parameters/s over "
+                         f"{len(rates)} rows ({rates[0]:.2f}-{rates[-1]:.2f}; hardware.cpu_adam_gparams_per_s_in_step)")
+    return "\n".join(lines)
 
 
 def _f(x, fmt="{:.2f}"):
@@ -127,16 +161,21 @@ def main(argv=None) -> None:
     rows = [json.loads(line) for path in args.rows for line in path.read_text().splitlines() if line.strip()]
     table = backtest(rows)
     print(f"{'job':44} {'gpu':5} {'sha':8} {'step s':>7} {'then':>6} {'now':>6} {'err now':>8} "
-          f"{'fwd s':>6} {'plan':>6} {'bwd s':>6} {'plan':>6} {'GPU GiB':>8} {'plan':>6} {'host GiB':>9} {'plan':>6}")
+          f"{'fwd s':>6} {'plan':>6} {'bwd s':>6} {'plan':>6} {'GPU GiB':>8} {'plan':>6} {'host GiB':>9} {'plan':>6} "
+          f"{'AdamW s':>7} {'plan':>6}")
     for e in table:
         gpu = profile_for_gpu(e["gpu"] or "") or "?"
         if "skipped" in e:
-            print(f"{e['job']:44} {gpu:5} {e['git_sha'] or '-':8} skipped: {e['skipped']}")
+            print(f"{e['job']:44} {gpu:5} {(e['git_sha'] or '-')[:8]:8} skipped: {e['skipped']}")
             continue
-        print(f"{e['job']:44} {gpu:5} {e['git_sha'] or '-':8} {e['step_s']:7.2f} {_f(e['plan_then_s']):>6} "
+        print(f"{e['job']:44} {gpu:5} {(e['git_sha'] or '-')[:8]:8} {e['step_s']:7.2f} {_f(e['plan_then_s']):>6} "
               f"{e['plan_now_s']:6.2f} {e['error_now']:+8.1%} {_f(e['forward_s']):>6} {e['plan_forward_s']:6.2f} "
               f"{_f(e['backward_s']):>6} {e['plan_backward_s']:6.2f} {_f(e['gpu_gib'], '{:.1f}'):>8} "
-              f"{e['plan_gpu_gib']:6.1f} {_f(e['host_gib'], '{:.1f}'):>9} {e['plan_host_gib']:6.1f}")
+              f"{e['plan_gpu_gib']:6.1f} {_f(e['host_gib'], '{:.1f}'):>9} {e['plan_host_gib']:6.1f} "
+              f"{_f(e['host_adamw_s']):>7} {e['plan_host_adamw_s']:6.2f}")
+    summary = host_adamw_summary([e for e in table if "skipped" not in e])
+    if summary:
+        print(summary)
     if args.jsonl is not None:
         with open(args.jsonl, "w") as f:
             for e in table:

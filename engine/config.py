@@ -289,6 +289,10 @@ class HardwareConfig(LayerFigures):
     bidir_gbps_under_adam: float = 0.0
     cpu_adam_gparams_per_s: float = 0.0  # fused CPU AdamW, alone
     cpu_adam_gparams_per_s_under_pcie: float = 0.0  # the same while both PCIe directions stream
+    # the host AdamW inside training steps (the parameters it updated over its pass, the median over engine rows:
+    # `python -m bench.plan_backtest`), which the planner uses in place of the figure above where measured: the
+    # calibration times the optimizer alone with the link busy, a step also runs the compute thread beside it
+    cpu_adam_gparams_per_s_in_step: float = 0.0
     host_process_gib: float = 0.0  # host memory of a training process before any state (torch, CUDA, compiled code)
     # of host_process_gib, the part in torch.compile's worker processes, which a run without compiled templates
     # never starts (the planner leaves it out of an eager run's host memory)
@@ -841,14 +845,16 @@ MOE_FIGURES = tuple(f"moe_{k}_tflops_{mode}" for mode in ("compiled", "eager") f
 HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
                     "profile_host_mem_gib", "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES,
                     *ATTENTION_FIGURES, *MOE_FIGURES, *TRANSFER_FIGURES, "bidir_gbps_under_adam",
-                    "host_compile_workers_gib", "lean_step_ratio_sdpa", "lean_step_ratio_triton")
+                    "host_compile_workers_gib", "lean_step_ratio_sdpa", "lean_step_ratio_triton",
+                    "cpu_adam_gparams_per_s_in_step")
 # what 0 means for the figures where it is not "unknown"
 ZERO_MEANS = {"host_mem_gib": "this machine's memory",
               "profile_host_mem_gib": "unknown: a plan for this profile uses the memory of the machine it runs on",
               "gpu_mem_cap_gib": "no cap", "nvme_gib": "no NVMe tier",
               "bidir_gbps_under_adam": "not measured: the link as fast under the host AdamW as alone",
               "lean_step_ratio_sdpa": "not measured: the lean layer at the time model's figures",
-              "lean_step_ratio_triton": "not measured: the lean layer at the time model's figures"}
+              "lean_step_ratio_triton": "not measured: the lean layer at the time model's figures",
+              "cpu_adam_gparams_per_s_in_step": "not measured: the host AdamW at cpu_adam_gparams_per_s_under_pcie"}
 
 
 def _validate_layer_widths(hw: DictConfig) -> None:

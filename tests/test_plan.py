@@ -455,3 +455,22 @@ def test_a_set_format_field_is_kept_and_the_others_chosen_around_it():
     cfg = make_cfg(["model=tiny", "train.grad_transfer_dtype=bf16"])
     build_plan(ModelSpec(cfg.model), cfg, 0.0, 64.0, on_gpu=False)
     assert StateFormat.of(cfg.train).exact
+
+
+def test_the_host_adamw_in_step_rate_replaces_the_calibrations_where_measured():
+    """`hardware.cpu_adam_gparams_per_s_in_step` (the host AdamW's rate measured inside training steps) times the
+    host update in place of the calibration's rate under PCIe load; 0 leaves the calibration's."""
+    base = ["model=qwen7b", "engine=stream", "hardware=h100", "plan=true", "train.seq_len=4096",
+            "train.micro_batch_size=1", "engine.gpu_resident_units=10", "engine.gpu_streamed_units=10"]
+    plans = {}
+    for rate in (0.0, 1.5):
+        cfg = make_cfg([*base, f"hardware.cpu_adam_gparams_per_s_in_step={rate}"])
+        plans[rate] = (build_plan(ModelSpec(cfg.model), cfg, cfg.hardware.gpu_mem_gib,
+                                  cfg.hardware.profile_host_mem_gib, on_gpu=True, check=False), cfg)
+    (calibrated, cfg), (in_step, _) = plans[0.0], plans[1.5]
+    ratio = cfg.hardware.cpu_adam_gparams_per_s_under_pcie / 1.5
+    assert in_step.times_s["host_adamw"] == pytest.approx(calibrated.times_s["host_adamw"] * ratio, rel=1e-9)
+    assert "the host AdamW at its in-step rate, 1.5 G parameters/s" in in_step.speeds
+    assert "in-step rate" not in calibrated.speeds
+    with pytest.raises(ConfigError, match=r"hardware.cpu_adam_gparams_per_s_in_step=-1.0 .*not measured"):
+        make_cfg([*base, "hardware.cpu_adam_gparams_per_s_in_step=-1"])

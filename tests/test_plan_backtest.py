@@ -23,7 +23,8 @@ def test_a_row_is_replanned_with_its_placement_on_its_cards_profile(tmp_path, ca
                           check=False)
     row = {"job": "qwen7b-64k", "engine": "stream", "overrides": OVERRIDES, "placement": PLACEMENT, "step_s": 6.5,
            "plan_step_s": 5.9, "gpu": "NVIDIA H200", "git_sha": "abc1234", "median_forward_s": 1.7,
-           "median_backward_s": 4.4, "gpu_mem_gib": 120.0, "host_mem_gib": 80.0, "host_children_mem_gib": 7.5}
+           "median_backward_s": 4.4, "gpu_mem_gib": 120.0, "host_mem_gib": 80.0, "host_children_mem_gib": 7.5,
+           "median_optimizer_s": 0.8}
     skipped = {**row, "job": "elsewhere", "gpu": "NVIDIA A100"}
     reference = {**row, "job": "reference", "engine": "reference"}
     rows = tmp_path / "rows.jsonl"
@@ -40,8 +41,22 @@ def test_a_row_is_replanned_with_its_placement_on_its_cards_profile(tmp_path, ca
     assert first["plan_host_gib"] == pytest.approx(expected.total("host") / 2**30, rel=1e-12)
     assert first["plan_gpu_gib"] == pytest.approx(expected.allocated("gpu") / 2**30, rel=1e-12)
     assert "NVIDIA A100" in second["skipped"]
+    spec = ModelSpec(cfg.model)
+    host_params = sum(spec.units[u].layout.numel for u in expected.placement.host_units)
+    assert host_params > 0 and first["host_adamw_s"] == 0.8
+    assert first["plan_host_adamw_s"] == pytest.approx(expected.times_s["host_adamw"], rel=1e-12)
+    assert first["host_adamw_gparams_per_s"] == pytest.approx(host_params / 0.8 / 1e9, rel=1e-12)
     printed = capsys.readouterr().out
     assert "qwen7b-64k" in printed and "skipped: no profile" in printed
+    assert (f"h200: host AdamW in steps, median {host_params / 0.8 / 1e9:.3f} G parameters/s over 1 rows"
+            in printed)
+
+
+def test_the_host_adamw_rate_leaves_out_rows_without_host_updates_or_with_moments_on_nvme():
+    row = {"median_optimizer_s": 2.0, "placement": {"nvme_units": 0}}
+    assert plan_backtest.host_adamw_rate(row, 4_000_000_000) == 2.0
+    assert plan_backtest.host_adamw_rate(row, 0) is None
+    assert plan_backtest.host_adamw_rate({**row, "placement": {"nvme_units": 3}}, 4_000_000_000) is None
 
 
 @pytest.mark.parametrize("recorded, seq_len, pinned", [(True, 32768, "on"), (False, 262144, "off"),
