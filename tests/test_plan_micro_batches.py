@@ -3,6 +3,7 @@ modelled plans against every count, and the real planner's choice on a GPU profi
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -13,7 +14,8 @@ from engine.model import ModelSpec
 from engine.plan import build_plan
 from engine.plan.memory import MemoryPlan
 from engine.plan.micro_batches import MAX_MICRO_BATCHES, choose_micro_batches
-from tests.util import make_cfg
+from engine.trainer import Trainer
+from tests.util import SMALL, make_cfg
 
 
 def modelled(stream_s, compute_s_per_mb: float, fits_up_to: int):
@@ -121,3 +123,26 @@ def test_other_counts_below_one_are_refused_and_data_parallel_needs_a_number(mon
     with pytest.raises(ConfigError, match="train.grad_accum=-1 \\(auto\\) is planned for one process; with "
                                           "WORLD_SIZE=2 set the micro-batches per step, a multiple of 2"):
         distributed.init("cpu", -1)
+
+
+# figures that give a CPU plan step times (the CPU profile has none): a link slow enough that one micro-batch's forward
+# waits on it
+CPU_SPEEDS = ["hardware.fwd_tflops_eager=0.05", "hardware.bwd_tflops_eager=0.05", "hardware.head_tflops_eager=0.05",
+              "hardware.h2d_gbps=0.5", "hardware.d2h_gbps=0.5", "hardware.bidir_gbps=0.8",
+              "hardware.cpu_adam_gparams_per_s=0.5", "hardware.cpu_adam_gparams_per_s_under_pcie=0.5"]
+
+
+def test_a_run_trains_with_the_count_its_plan_chose_and_records_it(tmp_path):
+    """The trainer plans `-1` before anything reads the count: the data, the banner, the checkpoint fingerprint and
+    summary.json see the count taken, and each step consumes that many micro-batches."""
+    cfg = make_cfg(["engine=stream", *SMALL, "train.seq_len=32", "train.micro_batch_size=2", "train.grad_accum=-1",
+                    "train.steps=1", "train.val_every=-1", *CPU_SPEEDS])
+    trainer = Trainer(cfg, tmp_path)
+    n = trainer.cfg.train.grad_accum
+    assert n > 1 and trainer.plan.grad_accum_choice.startswith(f"train.grad_accum=-1: {n} micro-batches a step")
+    trainer.run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in records if "loss" in r] == [n * 2 * 32]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["train"]["grad_accum"] == n
+    assert trainer.plan.grad_accum_choice in (tmp_path / "train.log").read_text()
