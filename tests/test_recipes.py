@@ -163,3 +163,14 @@ def test_no_config_or_bench_command_names_the_old_spellings():
             text = path.read_text()
             for old in ("override /train: throughput", "train=throughput", "+experiment="):
                 assert old not in text, f"{path}: {old}"
+
+
+def test_the_gptoss20b_h100_recipe_plans_the_micro_batches_that_hide_its_weight_stream():
+    """Its header's figures: on the H100 profile `train.grad_accum=-1` takes 13 micro-batches of 4 x 4096 tokens, the
+    first whose forward computes as long as it streams, and the plan fits."""
+    cfg = compose_cfg(["experiment=bench_gptoss20b_h100", "plan=true"])
+    plan = build_plan(ModelSpec(cfg.model), cfg, hardware.usable_gpu_gib(cfg.hardware, 0.0),
+                      cfg.hardware.profile_host_mem_gib, on_gpu=True, check=False)
+    assert not plan.problem(), plan.table() + "\n" + plan.problem()
+    assert cfg.train.grad_accum == 13 and plan.link_bound_ratio() <= 1.0
+    assert plan.times_s["step"] == pytest.approx(16.3, abs=0.05)
