@@ -165,14 +165,14 @@ GRIDS = {
                                           "train.micro_batch_size=4", "train.grad_accum=4", f"train.compile={flag}"])
         for mode, flag in [("eager", "off"), ("compiled", "on")]
     ],
-    # gpt-oss-20b, compiled, at more tokens a step (4 x 4096 x 8 and x 12): the forward's stream of every unit's state
-    # then hides behind more compute; the planner puts layer inputs in recompute groups of 2 and held gradients on
-    # the host to fit
+    # gpt-oss-20b, compiled, at more tokens a step (4 x 4096 x 8 and x 12, and the count train.grad_accum=-1 takes):
+    # the forward's stream of every unit's state then hides behind more compute; the planner puts layer inputs in
+    # recompute groups and held gradients on the host to fit
     "moetokens": [
-        (f"gptoss20b-stream-{4 * accum * 4}k-compiled", ["experiment=bench_gptoss20b_h200", "data=stdlib", "train.steps=4",
-                                                       "train.micro_batch_size=4", f"train.grad_accum={accum}",
-                                                       "train.compile=on"])
-        for accum in (8, 12)
+        (f"gptoss20b-stream-{name}-compiled", ["experiment=bench_gptoss20b_h200", "data=stdlib", "train.steps=4",
+                                               "train.micro_batch_size=4", f"train.grad_accum={accum}",
+                                               "train.compile=on"])
+        for name, accum in (("128k", 8), ("192k", 12), ("auto", -1))
     ],
     # qwen7b at 4K tokens a micro-batch, where the forward waits on the weight stream: one micro-batch a step, and the
     # count train.grad_accum=-1 chooses (the fewest whose forward hides the stream)

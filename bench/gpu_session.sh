@@ -277,7 +277,7 @@ stage moe64k 'gpt-oss-20b at full depth, 64K tokens a step, held gradients partl
   'grid 580 280 moe64k'
 stage autotokens 'qwen7b at 4K tokens a micro-batch: 1 micro-batch a step, then the count train.grad_accum=-1 takes' \
   'grid 400 180 autotokens'
-stage moetokens 'gpt-oss-20b at full depth, compiled, 128K and 192K tokens a step (AB_JOBS: one of them)' \
+stage moetokens 'gpt-oss-20b at full depth, compiled, 128K, 192K and train.grad_accum=-1 tokens a step (AB_JOBS: some)' \
   'grid 580 ${JOB_S:-280} moetokens $(only AB_JOBS)'
 stage moe20 'gpt-oss-20b at full depth, eager (JOB_S: its time limit)' \
   'grid $((${JOB_S:-280} + 20)) ${JOB_S:-280} moe --only gptoss20b-stream-16k-eager'
