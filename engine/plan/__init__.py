@@ -49,7 +49,8 @@ without a search; a refusal shows the g = 1 plan and says that no g fitted.
 Time. `predict_stream` models one step from the calibrated figures of the hardware profile (python -m engine.calibrate
 measures them on the machine, for compiled and for eager templates: the planner uses the mode the run executes in,
 never a figure fitted on the run it predicts): layer forward and backward (recompute included) TFLOPS, the head's,
-H2D/D2H alone and both at once, the host AdamW alone and under PCIe load. The forward is a pipeline of the H2D
+H2D/D2H alone and both at once, the host AdamW alone and under PCIe load (or, where the profile has it, at its rate
+measured inside earlier training steps, `hardware.cpu_adam_gparams_per_s_in_step`). The forward is a pipeline of the H2D
 stream, the D2H stream, the host AdamW and compute (see `predict_stream`); `exposed_wait` is the forward's time
 beyond its compute. Activation working-set figures are estimates (bytes per token per layer, from the tensors
 autograd keeps in `decoder_layer`); `margin_gib` covers allocator fragmentation and the CUDA context on the GPU;
@@ -57,7 +58,8 @@ autograd keeps in `decoder_layer`); `margin_gib` covers allocator fragmentation 
 `hardware.host_compile_workers_gib` (torch.compile's worker processes) for a run that starts none (eager templates,
 or `train.compile_in_process`); a refusal says when the plan would fit without them.
 
-Modules: `build` (`build_plan`, the refusal's suggestions), `stream` (`StreamPlanner`: the placement search and a
+Modules: `build` (`build_plan`, the refusal's suggestions), `micro_batches` (`train.grad_accum=-1`: the micro-batches
+a step chosen so that the forward hides the weight stream), `stream` (`StreamPlanner`: the placement search and a
 placement's rows), `reference` (the oracle's plan), `memory` (`MemoryPlan`, `PlanError`, the process's own host
 memory), `activations` (activation and working-set bytes), `shape` (`StepShape`: the numbers both models read),
 `speeds` (`Speeds`: the calibrated figures), `time_model` (`predict_stream`; `StepTimer`, the same for the many
