@@ -38,16 +38,16 @@ class Execution:
     lean: bool  # the lean long-context layer (engine/model/lean.py)
 
     @classmethod
-    def of(cls, spec, cfg, on_gpu: bool, strict: bool = False, lean_layer: str = "") -> "Execution":
+    def of(cls, spec, cfg, on_gpu: bool, strict: bool = False) -> "Execution":
         """`strict`: a backend (or lean layer) that cannot run on this device is a ConfigError (else the asked-for
-        name is kept). `lean_layer`: decide as if `train.lean_layer` were this (auto | on | off) instead."""
+        name is kept)."""
         t = cfg.train
         try:
-            return cls._resolve(spec, cfg, on_gpu, strict, lean_layer or t.lean_layer)
+            return cls._resolve(spec, cfg, on_gpu, strict, t.lean_layer)
         except ConfigError:
             if strict:
                 raise
-            return cls._resolved(cfg, on_gpu, t.attention, (lean_layer or t.lean_layer) == "on")
+            return cls._resolved(cfg, on_gpu, t.attention, t.lean_layer == "on")
 
     @classmethod
     def choices(cls, spec, cfg, on_gpu: bool, strict: bool = False) -> List["Execution"]:

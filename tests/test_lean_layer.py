@@ -319,7 +319,7 @@ def test_the_trainer_runs_the_execution_its_plan_took(monkeypatch, tmp_path):
     from engine.trainer import Trainer
 
     def lean_only(cls, spec, cfg, on_gpu, strict=False):
-        return [cls.of(spec, cfg, on_gpu, strict, lean_layer="on")]
+        return [cls._resolve(spec, cfg, on_gpu, strict, "on")]
 
     monkeypatch.setattr(Execution, "choices", classmethod(lean_only))
     cfg = make_cfg(["engine=stream", *SMALL, "train.seq_len=24", "train.steps=1", "train.val_every=-1"])

@@ -32,10 +32,9 @@ def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: 
 
 def _plan_micro_batches(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, state_ranks: int,
                         executions: Optional[Sequence[Execution]]) -> MemoryPlan:
-    """`train.grad_accum=-1` resolved in `cfg` (with the state formats the chosen count's plan resolved): the plan of
-    the count taken, whose `grad_accum_choice` says why. A plan without step times cannot choose: refused."""
+    """`train.grad_accum=-1` resolved in `cfg` (with the state format the chosen count's plan was made in): the plan
+    of the count taken, whose `grad_accum_choice` says why. A plan without step times cannot choose: refused."""
     asked = {f: cfg.train[f] for f in FIELDS}
-    resolved = {}  # the state format each count's plan resolved
 
     def plan_with(n: int) -> MemoryPlan:
         cfg.train.grad_accum = n
@@ -45,13 +44,12 @@ def _plan_micro_batches(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool
             raise ConfigError(f"train.grad_accum={GRAD_ACCUM_AUTO} (auto) chooses the micro-batches from the plan's "
                               "step times, and this plan has none (engine=stream's plan on a GPU or for a GPU "
                               "profile has them): set train.grad_accum to a number of micro-batches, 1 or more")
-        resolved[n] = {f: cfg.train[f] for f in FIELDS}
         return plan
 
     choice = choose_micro_batches(plan_with)
     cfg.train.grad_accum = choice.grad_accum
-    _set_fields(cfg.train, resolved[choice.grad_accum])
     plan = choice.plan
+    _set_state_format(cfg.train, plan.state_format)
     plan.grad_accum_choice = choice.line
     if plan.problem():
         _explain_refusal(spec, cfg, gpu_gib, host_gib, plan, state_ranks)
@@ -71,18 +69,17 @@ def _plan_executions(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, s
     `explain`: a plan that does not fit looks for what would (`_explain_refusal`)."""
     options = list(executions or Execution.choices(spec, cfg, on_gpu))
     asked = {f: cfg.train[f] for f in FIELDS}
-    planned = []  # (plan, the state format it resolved) per execution
+    planned = []
     for ex in options:
         _set_fields(cfg.train, asked)
-        plan = _plan_of(spec, cfg, gpu_gib, host_gib, ex, state_ranks)
-        planned.append((plan, StateFormat.of(cfg.train)))
+        planned.append(_plan_of(spec, cfg, gpu_gib, host_gib, ex, state_ranks))
     format_rank = {fmt: rank for rank, fmt in enumerate(all_formats(cfg.train.moments_block_size))}  # 0: most precise
-    taken = min(range(len(options)), key=lambda i: _preference(i, planned[i][0], format_rank[planned[i][1]]))
-    plan, fmt = planned[taken]
+    taken = min(range(len(options)), key=lambda i: _preference(i, planned[i], format_rank[planned[i].state_format]))
+    plan = planned[taken]
     plan.execution = options[taken]
-    _set_state_format(cfg.train, fmt)
+    _set_state_format(cfg.train, plan.state_format)
     if len(options) > 1:
-        plan.execution_choice = _execution_choice_line(options, [p for p, _ in planned], taken)
+        plan.execution_choice = _execution_choice_line(options, planned, taken)
     if explain and plan.problem():  # for the refusal of the plan taken only
         _explain_refusal(spec, cfg, gpu_gib, host_gib, plan, state_ranks)
     return plan
@@ -92,16 +89,17 @@ def _explain_refusal(spec, cfg, gpu_gib: float, host_gib: float, plan: MemoryPla
     """What would fit, for a refusal of `plan` (made from `cfg`): smaller state formats, building the compiled
     kernels in this process."""
     ex = plan.execution
-    plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, ex, StateFormat.of(cfg.train), state_ranks)
+    plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, ex, plan.state_format, state_ranks)
     plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, ex, state_ranks))
 
 
 def _plan_of(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, state_ranks: int) -> MemoryPlan:
-    """The unchecked plan of one execution, its state format resolved in `cfg`."""
+    """The unchecked plan of one execution, its state format resolved in `cfg` (and kept as `plan.state_format`)."""
     choice, plan = choose_state_format(spec, cfg, gpu_gib, host_gib, ex, state_ranks)
     fmt = StateFormat.of(cfg.train)
     if plan is None:
         plan = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
+    plan.state_format = fmt
     plan.format_choice = choice or f"state format: {fmt.overrides()} (as configured)"
     plan.host_source = getattr(host_gib, "source", "")
     plan.gpu_cap_gib = cfg.hardware.gpu_mem_cap_gib

@@ -10,6 +10,7 @@ from engine.placement import Placement
 
 if TYPE_CHECKING:
     from engine.execution import Execution
+    from engine.formats import StateFormat
 
 GIB = 2**30
 
@@ -29,6 +30,7 @@ class MemoryPlan:
     speeds: str = ""  # where the time model's figures come from
     suggestions: List[str] = field(default_factory=list)  # smaller state formats that fit, for a refusal
     format_choice: str = ""  # how `auto` state formats were resolved (engine/plan/build.py), for the banner
+    state_format: Optional["StateFormat"] = None  # the state format the plan was made in (engine/plan/build.py)
     execution: Optional["Execution"] = None  # what the run executes (engine/execution.py), as the plan chose it
     execution_choice: str = ""  # how the plan chose between executions (engine/plan/build.py), for the banner
     grad_accum_choice: str = ""  # how `train.grad_accum=-1` was resolved (engine/plan/micro_batches.py)

@@ -50,7 +50,6 @@ class Speeds:
             if hw.bidir_gbps_under_adam > 0 and hw.bidir_gbps > 0 else 1.0
         # the host AdamW always runs while the forward streams: its rate measured inside training steps where the
         # profile has it, else the calibration's under PCIe load
-        self.adam_in_step = hw.cpu_adam_gparams_per_s_in_step > 0
         self.adam_pcie = (hw.cpu_adam_gparams_per_s_in_step or hw.cpu_adam_gparams_per_s_under_pcie) * 1e9
         self.nvme = hw.nvme_gbps * 1e9  # 0: unknown, the tier's I/O is not timed
         self.known = min(self.fwd, self.bwd, self.head) > 0
@@ -78,8 +77,8 @@ class Speeds:
         line += f"; {self.attn_note}"
         if self.lean_ratio != 1.0:
             line += f"; the lean layer at {self.lean_ratio:.3g}x that (hardware.lean_step_ratio_*)"
-        if self.adam_in_step:
-            line += f"; the host AdamW at its in-step rate, {self.adam_pcie / 1e9:.3g} G parameters/s"
+        if hw.cpu_adam_gparams_per_s_in_step > 0:
+            line += f"; the host AdamW at its in-step rate, {hw.cpu_adam_gparams_per_s_in_step:.3g} G parameters/s"
         if self.moe_calibrated:
             line += f"; MoE layers at the figures of a {hw.moe_model} layer"
         elif self.moe:  # the grouped expert matmuls and their gather / scatter run well below a dense layer's rate
