@@ -8,7 +8,7 @@ from engine import optim
 from engine.formats import StateFormat, all_formats
 from engine.model import ModelSpec
 from engine.plan import GIB, PlanError, build_plan
-from tests.util import FP32, make_cfg
+from tests.util import FP32, SMALL, make_cfg
 
 
 def test_bytes_per_format():
@@ -156,9 +156,9 @@ def test_a_format_plans_and_builds_with_streamed_units(tmp_path):
     from engine.trainer import Trainer
 
     Trainer(make_cfg(["engine=stream", "train.moments_dtype=int8", "plan=true"]), tmp_path / "plan")
-    trainer = Trainer(make_cfg(["engine=stream", "train.master_dtype=bf16", "train.moments_dtype=int8",
-                                "train.grad_dtype=bf16", "engine.gpu_resident_units=2", "train.steps=1",
-                                "train.val_every=-1"]),
+    trainer = Trainer(make_cfg(["engine=stream", *SMALL, "model.num_hidden_layers=4", "train.master_dtype=bf16",
+                                "train.moments_dtype=int8", "train.grad_dtype=bf16", "engine.gpu_resident_units=2",
+                                "train.steps=1", "train.val_every=-1"]),
                       tmp_path / "run")
     assert trainer.engine.streamed_units == [2, 3, 4, 5]
     trainer.run()
