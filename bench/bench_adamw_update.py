@@ -3,12 +3,14 @@
     python -m bench.bench_adamw_update --out bench/results/adamw_update.jsonl
     python -m bench.bench_adamw_update --out bench/results/adamw_update_sweep.jsonl --sweep   # other TILE / warps
     python -m bench.bench_adamw_update --cpu --numel 20000 --out /tmp/adamw.jsonl   # logic check, interpreter
+    python -m bench.bench_adamw_update --grad int8 --out bench/results/adamw_update_int8_grad.jsonl
 
 Layer sizes come from the project config (`kernel_bench.layer_layout`: qwen7b 233 M, qwen32b 488 M, qwen72b 878 M
 parameters per decoder layer); `--numel N` replaces them with one synthetic unit of N elements. One call = one
-AdamW step over a whole layer's flat state with `weights_out` (the bf16 compute weights), fp32 gradient, weight
-decay on the matrices (`layout_segments`). Bandwidth = bytes read + written per second (`bytes_per_param` of the
-format times the layer's elements, plus the int8 scales); `copy_gbps` is a device-to-device `copy_` moving the same
+AdamW step over a whole layer's flat state with `weights_out` (the bf16 compute weights), fp32 gradient (`--grad
+int8`: streamtrain_kernels/grad_quant.py's int8 codes, one scale per BLOCK_SIZE elements), weight decay on the
+matrices (`layout_segments`). Bandwidth = bytes read + written per second (`bytes_per_param` of the format times
+the layer's elements, plus the int8 scales); `copy_gbps` is a device-to-device `copy_` moving the same
 number of bytes (read + write), timed in the same run, and `frac_of_copy` the kernel's share of it (the
 target: >= 0.85 in every format). `match` says the kernel's state equals the torch reference's bit for bit on the
 first 2**20 elements after one step. Times: medians of triton.testing.do_bench (GPU) or of a few calls (--cpu).
@@ -39,11 +41,13 @@ def bytes_per_param(master: str, moments: str, grad_bytes: int = 4) -> int:
     return 2 * BYTES[master] + 4 * BYTES[moments] + grad_bytes + 2
 
 
-def update_bytes(numel: int, master: str, moments: str) -> int:
+def update_bytes(numel: int, master: str, moments: str, grad: str = "fp32") -> int:
     """Bytes one update of `numel` elements reads and writes (`bytes_per_param`, plus int8's per-block scales)."""
-    nbytes = numel * bytes_per_param(master, moments)
+    nbytes = numel * bytes_per_param(master, moments, BYTES[grad])
     if moments == "int8":
         nbytes += 2 * 2 * 4 * -(-numel // BLOCK_SIZE)  # m and v scales, read and written
+    if grad == "int8":
+        nbytes += 4 * -(-numel // BLOCK_SIZE)  # grad scales, read
     return nbytes
 
 
@@ -69,7 +73,7 @@ def copy_time_ms(torch, nbytes: int, device: str, time_ms) -> float:
     return time_ms(lambda: dst.copy_(src))
 
 
-def make_state(torch, numel: int, master: str, moments: str, device: str) -> dict:
+def make_state(torch, numel: int, master: str, moments: str, device: str, grad: str = "fp32") -> dict:
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
     st = {"master": (torch.randn(numel, device=device) * 0.02).to(dt[master]),
           "grad": torch.randn(numel, device=device) * 1e-3,
@@ -83,6 +87,12 @@ def make_state(torch, numel: int, master: str, moments: str, device: str) -> dic
     else:
         st.update(m=torch.zeros(numel, device=device, dtype=dt[moments]),
                   v=torch.zeros(numel, device=device, dtype=dt[moments]))
+    if grad == "int8":
+        from streamtrain_kernels.grad_quant import quantize_grad_int8
+        codes = torch.empty(numel, device=device, dtype=torch.int8)
+        scales = torch.empty(-(-numel // BLOCK_SIZE), device=device)
+        quantize_grad_int8(st["grad"], codes, scales, seed=2, block_size=BLOCK_SIZE)
+        st.update(grad=codes, grad_scales=scales, grad_block_size=BLOCK_SIZE)
     return st
 
 
@@ -90,7 +100,8 @@ def step_fn(fn, st: dict, segments, lr, clip, step: int = 1):
     def call():
         fn(st["master"], st["m"], st["v"], st["grad"], lr=lr, clip=clip, step=step, beta1=0.9, beta2=0.95,
            eps=1e-8, segments=segments, weights_out=st["weights_out"], m_scales=st.get("m_scales"),
-           v_scales=st.get("v_scales"), block_size=st.get("block_size"), seed=1)
+           v_scales=st.get("v_scales"), block_size=st.get("block_size"), seed=1,
+           grad_scales=st.get("grad_scales"), grad_block_size=st.get("grad_block_size"))
     return call
 
 
@@ -121,7 +132,7 @@ def matches_reference(torch, st_kernel: dict, st_before: dict, segments, lr, cli
                for k in a if isinstance(a[k], torch.Tensor))
 
 
-def bench_unit(torch, name: str, numel: int, segments, device: str, info: dict, configs) -> list:
+def bench_unit(torch, name: str, numel: int, segments, device: str, info: dict, configs, grad: str) -> list:
     import streamtrain_kernels.adamw_update as A
 
     time_ms = timer(device)
@@ -129,8 +140,8 @@ def bench_unit(torch, name: str, numel: int, segments, device: str, info: dict, 
     clip = torch.tensor(0.5, device=device)
     rows = []
     for master, moments in FORMATS:
-        st = make_state(torch, numel, master, moments, device)
-        nbytes = update_bytes(numel, master, moments)
+        st = make_state(torch, numel, master, moments, device, grad)
+        nbytes = update_bytes(numel, master, moments, grad)
         copy_ms = copy_time_ms(torch, nbytes, device, time_ms)
         copy_rate = nbytes / (copy_ms * 1e-3) / 1e9
         if device == "cpu":
@@ -149,9 +160,10 @@ def bench_unit(torch, name: str, numel: int, segments, device: str, info: dict, 
             kernel_ms = time_ms(step_fn(A.adamw_update, st, segments, lr, clip))
             gbps = nbytes / (kernel_ms * 1e-3) / 1e9
             rows.append({"bench": "adamw_update", "model": name, "case": f"master {master}, moments {moments}",
-                         "master_dtype": master, "moments_dtype": moments, "grad_dtype": "fp32",
+                         "master_dtype": master, "moments_dtype": moments, "grad_dtype": grad,
                          "weights_out": True, "block_size": BLOCK_SIZE if moments == "int8" else None,
-                         "numel": numel, "bytes": nbytes, "bytes_per_param": bytes_per_param(master, moments),
+                         "numel": numel, "bytes": nbytes,
+                         "bytes_per_param": bytes_per_param(master, moments, BYTES[grad]),
                          "kernel_ms": round(kernel_ms, 5), "kernel_gbps": round(gbps, 1),
                          "copy_ms": round(copy_ms, 5), "copy_gbps": round(copy_rate, 1),
                          "frac_of_copy": round(gbps / copy_rate, 3), "tile": tile, "num_warps": num_warps,
@@ -181,6 +193,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=None, help="one synthetic unit of this many elements instead")
     ap.add_argument("--sweep", action="store_true", help="also time other TILE / num_warps configurations")
     ap.add_argument("--configs", help="time these TILE x num_warps configurations instead, e.g. 256x2,512x4")
+    ap.add_argument("--grad", choices=("fp32", "int8"), default="fp32", help="the gradient's format")
     ap.add_argument("--cpu", action="store_true", help="run the logic on CPU under the Triton interpreter "
                                                        "(tiny --numel; times mean nothing)")
     args = ap.parse_args()
@@ -209,7 +222,7 @@ def main() -> None:
     rows = []
     try:
         for name, numel, segments in units:
-            rows += bench_unit(torch, name, numel, segments, device, info, configs)
+            rows += bench_unit(torch, name, numel, segments, device, info, configs, args.grad)
     finally:
         A.SWEEP_OVERRIDE = None
         write_rows(args.out, rows)

@@ -174,6 +174,14 @@ GRIDS = {
                                                "train.compile=on"])
         for name, accum in (("128k", 8), ("192k", 12), ("auto", -1))
     ],
+    # held gradients in int8 (1 B/param): Qwen3-30B-A3B at 64K tokens a step, which fits the H100 machine only so,
+    # and gpt-oss-20b at 64K, whose held gradients then need no host tier
+    "moeint8grads": [
+        ("qwen3-30b-a3b-stream-64k-int8grads-compiled", ["experiment=bench_qwen3_30b_a3b_h100", "data=stdlib",
+                                                         "train.steps=3"]),
+        ("gptoss20b-stream-64k-int8grads-compiled", ["experiment=bench_gptoss20b_h100", "data=stdlib",
+                                                     "train.steps=4", "train.grad_accum=4", "train.grad_dtype=int8"]),
+    ],
     # qwen7b at 4K tokens a micro-batch, where the forward waits on the weight stream: one micro-batch a step, and the
     # count train.grad_accum=-1 chooses (the fewest whose forward hides the stream)
     "autotokens": [

@@ -26,6 +26,7 @@ FORMATS = {
     "fp32": [],
     "bf16": ["train.master_dtype=bf16", "train.moments_dtype=bf16"],
     "int8": ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=bf16"],
+    "int8_grads": ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=int8"],
     # to tell the update path from the formats (bf16 + bf16 ended 2-4% below fp32 on two seeds): fp32 state through
     # the fused kernel that updates the low-precision formats, and each half of bf16 + bf16 alone
     "fp32_kernel": ["train.fp32_update=kernel"],
@@ -34,7 +35,8 @@ FORMATS = {
 }
 DEFAULT_FORMATS = ("fp32", "bf16", "int8")  # the formats with a quality bar; the others on request (--formats)
 LABELS = {"fp32": "fp32 master + moments + grads", "bf16": "bf16 master + bf16 moments",
-          "int8": "bf16 master + int8 moments + bf16 grads", "fp32_kernel": "fp32 state, the fused kernel's update",
+          "int8": "bf16 master + int8 moments + bf16 grads", "int8_grads": "bf16 master + int8 moments + int8 grads",
+          "fp32_kernel": "fp32 state, the fused kernel's update",
           "bf16_master": "bf16 master + fp32 moments", "bf16_moments": "fp32 master + bf16 moments"}
 
 

@@ -167,6 +167,9 @@ stage adamw 'the fused update kernel: GPU tests, then every format over the laun
 stage adamwcheck 'the fused update kernel: GPU tests, then its shipped launch' \
   'gpu_tests gpu_adamw_tests.log 200 tests/kernels/test_adamw_update.py
    bench 200 bench_adamw_update --out $OUT/adamw_update.jsonl'
+stage gradquant 'int8 held gradients: the quantizer and the update reading int8 codes, GPU tests, then timed' \
+  'gpu_tests gpu_grad_quant_tests.log 200 tests/kernels/test_grad_quant.py
+   bench 200 bench_adamw_update --grad int8 --models qwen7b --out $OUT/adamw_update_int8_grad.jsonl'
 stage adamwab 'the fused update kernel against the base tree'"'"'s in one lease, then a qwen7b launch sweep' \
   'gpu_tests gpu_adamw_tests.log 200 tests/kernels/test_adamw_update.py
    bench 200 bench_adamw_update --out $OUT/adamw_update.jsonl
@@ -279,6 +282,8 @@ stage autotokens 'qwen7b at 4K tokens a micro-batch: 1 micro-batch a step, then 
   'grid 400 180 autotokens'
 stage moetokens 'gpt-oss-20b at full depth, compiled, 128K, 192K and train.grad_accum=-1 tokens a step (AB_JOBS: some)' \
   'grid 580 ${JOB_S:-280} moetokens $(only AB_JOBS)'
+stage moeint8grads 'Qwen3-30B-A3B and gpt-oss-20b, full depth, compiled, 64K tokens a step, int8 held gradients' \
+  'grid 580 ${JOB_S:-270} moeint8grads $(only AB_JOBS)'
 stage moe20 'gpt-oss-20b at full depth, eager (JOB_S: its time limit)' \
   'grid $((${JOB_S:-280} + 20)) ${JOB_S:-280} moe --only gptoss20b-stream-16k-eager'
 stage moe30 'Qwen3-30B-A3B at full depth, eager (H200)' \

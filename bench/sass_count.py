@@ -59,10 +59,10 @@ def compile_sm90(mod, master: str, moments: str):
     fn = mod._adamw_kernel
     ptr = {"p_ptr": "*i16" if master == "bf16" else "*fp32", "m_ptr": ("*fp32", "*i16", "*i8")[code],
            "v_ptr": ("*fp32", "*i16", "*u8")[code], "g_ptr": "*fp32", "w_ptr": "*i16", "ms_ptr": "*fp32",
-           "vs_ptr": "*fp32", "lr_ptr": "*fp32", "clip_ptr": "*fp32", "run_ptr": "*i64"}
+           "vs_ptr": "*fp32", "gs_ptr": "*fp32", "lr_ptr": "*fp32", "clip_ptr": "*fp32", "run_ptr": "*i64"}
     fp32_args = {"lerp_coef", "beta2", "one_minus_beta2", "eps"}
     const = dict(R=R, G=G, NR_POW2=2, LERP_SMALL=True, MASTER_BF16=master == "bf16",
-                 MOMENTS=code, WITH_WEIGHTS=True)
+                 MOMENTS=code, WITH_WEIGHTS=True, GRAD_INT8=False, GRAD_SHIFT=8, GRAD_PER_ROW=False)
     signature = {}
     for name in fn.arg_names:
         signature[name] = (ptr.get(name) or ("constexpr" if name in const else "fp32" if name in fp32_args

@@ -142,7 +142,8 @@ class TrainConfig:
     master_dtype: str = one_of("auto", (formats.AUTO, *formats.MASTER_DTYPES))  # bf16: stochastic rounding
     # bf16: stochastic rounding; int8: blockwise 8-bit floats + fp32 scales
     moments_dtype: str = one_of("auto", (formats.AUTO, *formats.MOMENTS_DTYPES))
-    # bf16 (stochastic rounding): the gradients held until the global norm is known
+    # bf16 (stochastic rounding) | int8 (blockwise 8-bit floats, stochastic rounding; never chosen by auto): the
+    # gradients held until the global norm is known
     grad_dtype: str = one_of("auto", (formats.AUTO, *formats.GRAD_DTYPES))
     # fp32 | bf16: the dtype the host-updated units' gradients cross PCIe in (engine=stream, exact fp32 state only);
     # bf16 rounds them stochastically on the GPU (seeded per run, unit and step) and halves their host buffers
@@ -151,7 +152,7 @@ class TrainConfig:
     # kernel of the low-precision formats, over the same fp32 state: equal to torch's to 1 ulp per element and step,
     # to compare the two update paths, e.g. in bench/bench_formats_quality.py)
     fp32_update: str = one_of("torch", ("torch", "kernel"))
-    moments_block_size: int = 256  # int8 moments: elements per scale, a power of two
+    moments_block_size: int = 256  # int8 moments and int8 gradients: elements per scale, a power of two
     compute_dtype: str = one_of("auto", ("auto", "bf16", "fp32"))  # auto: bf16 autocast on CUDA, fp32 on CPU
     activation_checkpointing: bool = True  # engine=reference only: the stream engine always recomputes
     compile: str = one_of("auto", AUTO_ON_OFF)  # torch.compile the layer and loss templates; auto: on CUDA
@@ -633,6 +634,10 @@ def _validate_engine(cfg: DictConfig) -> None:
         raise ConfigError(f"engine.host_grad_units={e.host_grad_units} places held bf16 gradients, and "
                           "train.grad_dtype=fp32 holds none (fp32 gradients have engine.grads_tier); use "
                           "train.grad_dtype=bf16 or auto, or engine.host_grad_units=-1 or 0")
+    if e.host_grad_units > 0 and cfg.train.grad_dtype == "int8":
+        raise ConfigError(f"engine.host_grad_units={e.host_grad_units} places held bf16 gradients in host memory, "
+                          "and train.grad_dtype=int8 holds its gradients on the GPU only; use train.grad_dtype=bf16, "
+                          "or engine.host_grad_units=-1 or 0")
     inexact = _set_formats(cfg.train) if formats.fixed_inexact(cfg.train) else None
     if e.nvme_units > 0 and inexact:
         raise ConfigError(f"engine.nvme_units={e.nvme_units}: the NVMe tier holds the fp32 moments of host-updated "

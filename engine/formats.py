@@ -4,11 +4,19 @@ Three typed fields of `train` choose them, each checked at compose time:
 - `train.master_dtype`: fp32 (exact) | bf16 (updated with stochastic rounding);
 - `train.moments_dtype`: fp32 | bf16 (stochastic rounding) | int8 (blockwise 8-bit floats with one fp32 scale per
   `train.moments_block_size` elements per moment, streamtrain_kernels/adamw_update.py);
-- `train.grad_dtype`: fp32 | bf16 (stochastic rounding): the gradients held until the global norm is known.
+- `train.grad_dtype`: fp32 | bf16 (stochastic rounding) | int8 (blockwise 8-bit floats, the code of the int8 m,
+  rounded stochastically, one fp32 scale per `train.moments_block_size` elements; streamtrain_kernels/grad_quant.py):
+  the gradients held until the global norm is known. The norm is taken over the held values (int8: dequantized),
+  so clipping stays exact for what the update reads.
 
-Bytes per parameter: master 4 / 2, moments 8 / 4 / 2 (+ 8 B of scales per block), gradient 4 / 2. The exact recipe
-is 12 + 4 = 16 B; bf16 master + int8 moments + bf16 gradients about 6 B, which is what puts qwen32b (32.8 G
-parameters, 197 GB) into 128 GiB of host plus the H200's spare HBM.
+Bytes per parameter: master 4 / 2, moments 8 / 4 / 2 (+ 8 B of scales per block), gradient 4 / 2 / 1 (+ 4 B of
+scale per block). The exact recipe is 12 + 4 = 16 B; bf16 master + int8 moments + bf16 gradients about 6 B, which
+is what puts qwen32b (32.8 G parameters, 197 GB) into 128 GiB of host plus the H200's spare HBM; int8 gradients make
+it about 5 B, which fits Qwen3-30B-A3B's held gradients into the H100's HBM at 64K tokens a step.
+
+int8 gradients are chosen only when `train.grad_dtype=int8` is set: `auto` takes fp32 or bf16 gradients (their
+training quality is measured, bench/results/formats-quality.md; the int8 gradient's is not yet). Their held copies
+stay on the GPU (`engine.host_grad_units` places bf16 ones only).
 
 Every format other than all-fp32 is updated on the GPU by the fused kernel (GPU-resident or GPU-streamed units):
 the host AdamW (torch's fused CPU AdamW) updates fp32 state only. `all_formats` lists every combination from the
@@ -28,7 +36,8 @@ from typing import Tuple
 AUTO = "auto"
 MASTER_DTYPES = ("fp32", "bf16")
 MOMENTS_DTYPES = ("fp32", "bf16", "int8")
-GRAD_DTYPES = ("fp32", "bf16")
+GRAD_DTYPES = ("fp32", "bf16", "int8")
+AUTO_GRAD_DTYPES = ("fp32", "bf16")  # what grad_dtype=auto may take (see the module docstring)
 BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 SCALE_BYTES = 4
 
@@ -38,7 +47,7 @@ class StateFormat:
     master: str = "fp32"
     moments: str = "fp32"
     grad: str = "fp32"
-    block_size: int = 256  # int8 moments: elements per scale
+    block_size: int = 256  # int8 moments and int8 gradients: elements per scale
 
     @classmethod
     def of(cls, train_cfg) -> "StateFormat":
@@ -74,7 +83,8 @@ class StateFormat:
         return self.master_bytes(numel) + self.moments_bytes(numel)
 
     def grad_bytes(self, numel: int) -> int:
-        return BYTES[self.grad] * numel
+        """A held gradient of `numel` parameters, with its per-block scales for int8."""
+        return BYTES[self.grad] * numel + (SCALE_BYTES * -(-numel // self.block_size) if self.grad == "int8" else 0)
 
     def update_hbm_bytes(self, numel: int) -> int:
         """HBM traffic of one update of `numel` parameters: read and write master and moments, read the gradient;
@@ -84,7 +94,8 @@ class StateFormat:
 
     def overrides(self) -> str:
         text = f"train.master_dtype={self.master} train.moments_dtype={self.moments} train.grad_dtype={self.grad}"
-        return text + (f" train.moments_block_size={self.block_size}" if self.moments == "int8" else "")
+        blocked = "int8" in (self.moments, self.grad)
+        return text + (f" train.moments_block_size={self.block_size}" if blocked else "")
 
     def bytes_per_param(self) -> float:
         """State + gradient bytes per parameter of a large unit (scales included)."""
@@ -122,9 +133,11 @@ def fixed_inexact(train_cfg) -> bool:
 
 
 def candidate_formats(train_cfg, exact_only: bool = False) -> Tuple[StateFormat, ...]:
-    """The formats the three fields allow (a dtype fixes its field, `auto` leaves it open), the most precise first;
-    `exact_only`: all-fp32 alone (the settings that need it: the NVMe tier, bf16 gradient transfer)."""
+    """The formats the three fields allow (a dtype fixes its field, `auto` leaves it open, grad_dtype=auto to
+    AUTO_GRAD_DTYPES), the most precise first; `exact_only`: all-fp32 alone (the settings that need it: the NVMe tier,
+    bf16 gradient transfer)."""
     wanted = {f: train_cfg[f] for f in FIELDS}
     found = [fmt for fmt in all_formats(train_cfg.moments_block_size)
-             if all(wanted[f] in (AUTO, getattr(fmt, f.split("_")[0])) for f in FIELDS)]
+             if all(wanted[f] in (AUTO, getattr(fmt, f.split("_")[0])) for f in FIELDS)
+             and (wanted["grad_dtype"] != AUTO or fmt.grad in AUTO_GRAD_DTYPES)]
     return tuple(fmt for fmt in found if fmt.exact or not exact_only)

@@ -191,13 +191,17 @@ class FormatAdamW:
 
     def step_unit(self, index: int, grad_flat: torch.Tensor, clip: torch.Tensor,
                   weights_out: Optional[torch.Tensor] = None,
-                  state: Optional[Dict[str, torch.Tensor]] = None) -> None:
-        """Update unit `index` in place: its own buffers, or `state` (the same names, e.g. GPU staging copies)."""
+                  state: Optional[Dict[str, torch.Tensor]] = None,
+                  grad_scales: Optional[torch.Tensor] = None) -> None:
+        """Update unit `index` in place: its own buffers, or `state` (the same names, e.g. GPU staging copies).
+        `grad_scales`: an int8 gradient's per-block scales (`grad_flat` then holds its codes)."""
         st = self.states[index] if state is None else state
         self.steps[index] += 1
         scales = {}
         if self.m_scales is not None:
             scales = {"m_scales": st["m_scales"], "v_scales": st["v_scales"], "block_size": self.fmt.block_size}
+        if grad_scales is not None:
+            scales.update(grad_scales=grad_scales, grad_block_size=self.fmt.block_size)
         adamw_update(st["master"], st["m"], st["v"], grad_flat, lr=self.lr, clip=clip,
                      step=self.steps[index], beta1=self.t.beta1, beta2=self.t.beta2, eps=self.t.eps,
                      segments=self.segments[index], weights_out=weights_out,

@@ -30,6 +30,7 @@ from engine.distributed import SINGLE, DataParallel
 from engine.device import autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
 from streamtrain_kernels.grad_accum import to_bf16_stochastic
+from streamtrain_kernels.grad_quant import quantize_grad_int8
 from engine.model import ModelSpec
 from engine.model.rope import Positions
 from engine.batch import Batch, loss_tokens
@@ -70,8 +71,12 @@ class ReferenceEngine:
             for flat, master in zip(self.flat, self.opt.master):
                 flat.copy_(master)  # the model computes with the master's values
             self.grad_flat = [torch.zeros_like(f) for f in self.flat]
-            self.grad_held = self.grad_flat if self.fmt.grad == "fp32" else \
-                [torch.zeros_like(f, dtype=torch.bfloat16) for f in self.flat]
+            held_dtype = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}[self.fmt.grad]
+            self.grad_held = self.grad_flat if held_dtype is None else \
+                [torch.zeros_like(f, dtype=held_dtype) for f in self.flat]
+            # int8 gradients: each unit's per-block scales beside its codes
+            self.grad_scales = [torch.zeros(-(-f.numel() // self.fmt.block_size), dtype=torch.float32, device=device)
+                                for f in self.flat] if self.fmt.grad == "int8" else None
         self.tables: Optional[Positions] = None
         self.skipped_steps = 0
 
@@ -140,25 +145,31 @@ class ReferenceEngine:
     @torch.no_grad()
     def _held_grads(self) -> List[torch.Tensor]:
         """Low-precision formats: each unit's gradient gathered into its flat buffer and held in the gradient
-        format (bf16: stochastically rounded, keyed by the step that will read it); per-tensor views of the held
-        buffers, in the canonical order, for the norm."""
+        format (bf16 or int8: stochastically rounded, keyed by the step that will read it); per-tensor views of the
+        held values (int8: dequantized over the gathered gradient), in the canonical order, for the norm."""
         views = []
         for unit, params in zip(self.spec.units, self.params):
             u = unit.index
             flat_views = unit.layout.views(self.grad_flat[u])
             for name, p in params.items():
                 flat_views[name].copy_(p.grad)
+            seed = update_seed(self.opt.seed, u, self.opt.steps[u] + 1) ^ GRAD_STREAM
+            held = self.grad_held[u]
             if self.fmt.grad == "bf16":
-                to_bf16_stochastic(self.grad_flat[u], self.grad_held[u],
-                                   update_seed(self.opt.seed, u, self.opt.steps[u] + 1) ^ GRAD_STREAM)
-            views += list(unit.layout.views(self.grad_held[u]).values())
+                to_bf16_stochastic(self.grad_flat[u], held, seed)
+            elif self.fmt.grad == "int8":
+                quantize_grad_int8(self.grad_flat[u], held, self.grad_scales[u], seed, self.fmt.block_size,
+                                   dequantized_out=self.grad_flat[u])
+                held = self.grad_flat[u]
+            views += list(unit.layout.views(held).values())
         return views
 
     @torch.no_grad()
     def _format_step(self, coef: torch.Tensor, lr: float) -> None:
         self.opt.set_lr(lr)
         for unit in self.spec.units:
-            self.opt.step_unit(unit.index, self.grad_held[unit.index], coef)
+            self.opt.step_unit(unit.index, self.grad_held[unit.index], coef,
+                               grad_scales=self.grad_scales[unit.index] if self.grad_scales else None)
             self.flat[unit.index].copy_(self.opt.master[unit.index])
 
     @torch.no_grad()

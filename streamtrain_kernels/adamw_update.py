@@ -22,7 +22,7 @@ branch. torch's CUDA fused AdamW orders the operations differently (`p -= lr * w
 Bias corrections bc1 = 1 - beta1**step, bc2 = 1 - beta2**step are computed on the host from the Python int `step`
 (the engine counts steps on the host); they reach the kernel as fp64 bits, lr and clip are read in the kernel.
 
-Formats (master x moments, any combination; grad fp32 or bf16):
+Formats (master x moments, any combination; grad fp32, bf16 or int8 with any of them):
 - fp32: exact AdamW as above.
 - bf16 master / bf16 moments: upcast, the same fp32 update, stored with stochastic rounding (unbiased, the
   integer trick of `to_bf16_stochastic`), random bits from Philox keyed per stream by `adamw_stream_seeds(seed)`
@@ -45,6 +45,13 @@ Formats (master x moments, any combination; grad fp32 or bf16):
   the normal code of x + 2**(1 - emax) less 8 (`_code_decode`, `_code_encode`). A program owns whole blocks (a tile
   of [rows, block_size]) so it computes each new absmax in registers. A block may span segments of different weight
   decay: decay is per element.
+- int8 grad (streamtrain_kernels/grad_quant.py: m's signed code, stochastically rounded, fp32 `grad_scales`, one per
+  `grad_block_size` elements): decoded as sign * value(code) * scale, the same fp32 value `dequantize_grad_int8`
+  gives, so the update equals the one from the dequantized fp32 gradient bit for bit. Its block size is its own:
+  when it equals the tile's row (the int8 moments' block, or the whole tile otherwise) a row reads one scale,
+  else each element gathers its block's scale at (tile start + i) >> log2(grad_block_size) (one more load per
+  element, from a few scales per tile that stay in L1). A constexpr selects the decode, so the other formats
+  compile as before.
 
 Segments: `(start, numel, weight_decay)` tiling [0, numel) in order. Adjacent segments of equal decay are merged
 (a decoder layer becomes two runs: its matrices, then its vectors) into a device table of run starts and decays,
@@ -53,7 +60,8 @@ a miss). One launch covers the unit: each program finds the run of its first ele
 run boundary falls inside its tile (usually never), filling a per-element decay factor. Launching per segment
 instead would split int8 blocks that span two segments and cost a launch per tensor.
 
-Bytes per parameter (read + write; + 2 with weights_out, fp32 grad; bf16 grad reads 2 fewer):
+Bytes per parameter (read + write; + 2 with weights_out, fp32 grad; a bf16 grad reads 2 fewer, an int8 grad 3
+fewer plus 4 / grad_block_size of scales):
   master fp32, moments fp32: 16 + 12 = 28 B      master bf16, moments fp32: 14 + 10 = 24 B
   master fp32, moments bf16: 12 + 8  = 20 B      master bf16, moments bf16: 10 + 6  = 16 B
   master fp32, moments int8: 10 + 6  = 16 B      master bf16, moments int8:  8 + 4  = 12 B
@@ -84,7 +92,7 @@ from streamtrain_kernels.tiles import load_tile, store_tile, to_fp32, uses_trito
 from streamtrain_kernels.reference import M_CODE, V_CODE, adamw_stream_seeds
 
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
-GRAD_DTYPES = (torch.float32, torch.bfloat16)
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # int8: with grad_scales and grad_block_size
 MOMENT_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.int8: torch.uint8}  # m -> v
 MOMENTS_FP32, MOMENTS_BF16, MOMENTS_INT8 = 0, 1, 2
 BLOCK_SIZE_RANGE = (8, 16384)  # int8 moment block sizes: powers of two in this range (a tile holds whole blocks)
@@ -180,6 +188,15 @@ def _code_decode(code, SHIFT: tl.constexpr, EXP_BIAS: tl.constexpr, N_SUB: tl.co
 
 
 @triton.jit
+def decode_signed_m_code(code, scale):
+    """fp32 value of int8 codes in m's format (int32, sign-extended from the int8) with their scales: the
+    magnitude code's value times scale, negated where the int8's sign bit is set (int8 moment m and int8
+    gradients, streamtrain_kernels/grad_quant.py)."""
+    mag = _code_decode(code & 0x7F, M_SHIFT, M_EXP_BIAS, M_N_SUB, M_NEG_MIN_NORMAL) * scale
+    return tl.where(code < 0, -mag, mag)
+
+
+@triton.jit
 def _code_encode(x, SHIFT: tl.constexpr, HALF: tl.constexpr, CODE_BIAS: tl.constexpr, SUB_BIAS: tl.constexpr,
                  MAX_CODE: tl.constexpr, MIN_NORMAL: tl.constexpr):
     """Nearest code of fp32 x >= 0 (ties away from zero), saturating at MAX_CODE (NaN too). Below MIN_NORMAL the
@@ -228,11 +245,12 @@ def _run_decay(run_ptr, n_runs, r, lr64):
 
 @triton.jit(do_not_specialize=["numel", "n_runs", "bc1_bits", "inv_bc2_bits", "group0", "kp_lo", "kp_hi", "km_lo",
                                "km_hi", "kv_lo", "kv_hi"])
-def _adamw_kernel(p_ptr, m_ptr, v_ptr, g_ptr, w_ptr, ms_ptr, vs_ptr, lr_ptr, clip_ptr, run_ptr, n_runs, numel,
-                  bc1_bits, inv_bc2_bits, lerp_coef, beta2, one_minus_beta2, eps, group0,
+def _adamw_kernel(p_ptr, m_ptr, v_ptr, g_ptr, w_ptr, ms_ptr, vs_ptr, gs_ptr, lr_ptr, clip_ptr, run_ptr, n_runs,
+                  numel, bc1_bits, inv_bc2_bits, lerp_coef, beta2, one_minus_beta2, eps, group0,
                   kp_lo, kp_hi, km_lo, km_hi, kv_lo, kv_hi,
                   R: tl.constexpr, G: tl.constexpr, NR_POW2: tl.constexpr, LERP_SMALL: tl.constexpr,
-                  MASTER_BF16: tl.constexpr, MOMENTS: tl.constexpr, WITH_WEIGHTS: tl.constexpr):
+                  MASTER_BF16: tl.constexpr, MOMENTS: tl.constexpr, WITH_WEIGHTS: tl.constexpr,
+                  GRAD_INT8: tl.constexpr, GRAD_SHIFT: tl.constexpr, GRAD_PER_ROW: tl.constexpr):
     TILE: tl.constexpr = R * G * 8
     pid = tl.program_id(0).to(tl.int64)
     tile_start = pid * TILE
@@ -252,7 +270,20 @@ def _adamw_kernel(p_ptr, m_ptr, v_ptr, g_ptr, w_ptr, ms_ptr, vs_ptr, lr_ptr, cli
     # fp64 `/` is correctly rounded on the GPU (div.rn.f64; only fp32 `/` is approximate there)
     step_size = (-(lr64 / bc1_bits.to(tl.int64).to(tl.float64, bitcast=True))).to(tl.float32)
     inv_bc2 = inv_bc2_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    g = to_fp32(load_tile(g_ptr, offs, rem, full)) * tl.load(clip_ptr)
+    if GRAD_INT8:
+        # grad block b = [b << GRAD_SHIFT, (b + 1) << GRAD_SHIFT)
+        n_grad_blocks = (numel + (1 << GRAD_SHIFT) - 1) >> GRAD_SHIFT
+        if GRAD_PER_ROW:  # a grad block is a tile row
+            grad_rows = pid * R + tl.arange(0, R)
+            g_scale = tl.load(gs_ptr + grad_rows, mask=grad_rows < n_grad_blocks, other=0.0)[:, None, None]
+        else:  # gather: the tile may start inside a grad block and hold parts of several
+            first = tile_start >> GRAD_SHIFT
+            into_first = (tile_start - (first << GRAD_SHIFT)).to(tl.int32)
+            g_scale = load_tile(gs_ptr + first, (into_first + offs) >> GRAD_SHIFT, (n_grad_blocks - first).to(tl.int32),
+                                full)
+        g = decode_signed_m_code(load_tile(g_ptr, offs, rem, full).to(tl.int32), g_scale) * tl.load(clip_ptr)
+    else:
+        g = to_fp32(load_tile(g_ptr, offs, rem, full)) * tl.load(clip_ptr)
     if MASTER_BF16:
         p = _bf16_bits_to_fp32(load_tile(p_ptr, offs, rem, full))
     else:
@@ -262,9 +293,7 @@ def _adamw_kernel(p_ptr, m_ptr, v_ptr, g_ptr, w_ptr, ms_ptr, vs_ptr, lr_ptr, cli
         n_blocks = (numel + G * 8 - 1) // (G * 8)
         m_scale = tl.load(ms_ptr + blocks, mask=blocks < n_blocks, other=0.0)[:, None, None]
         v_scale = tl.load(vs_ptr + blocks, mask=blocks < n_blocks, other=0.0)[:, None, None]
-        m_code = load_tile(m_ptr, offs, rem, full).to(tl.int32)
-        m_mag = _code_decode(m_code & 0x7F, M_SHIFT, M_EXP_BIAS, M_N_SUB, M_NEG_MIN_NORMAL) * m_scale
-        m = tl.where(m_code < 0, -m_mag, m_mag)
+        m = decode_signed_m_code(load_tile(m_ptr, offs, rem, full).to(tl.int32), m_scale)
         v = _code_decode(load_tile(v_ptr, offs, rem, full).to(tl.int32), V_SHIFT, V_EXP_BIAS, V_N_SUB,
                          V_NEG_MIN_NORMAL) * v_scale
     elif MOMENTS == 1:
@@ -455,12 +484,15 @@ def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: t
                  clip: torch.Tensor, step: int, beta1: float, beta2: float, eps: float,
                  segments: Sequence[Tuple[int, int, float]], weights_out: Optional[torch.Tensor] = None,
                  m_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
-                 block_size: Optional[int] = None, seed: int = 0, offset: int = 0) -> None:
+                 block_size: Optional[int] = None, seed: int = 0, offset: int = 0,
+                 grad_scales: Optional[torch.Tensor] = None, grad_block_size: Optional[int] = None) -> None:
     """One AdamW step in place over flat state, in one launch (see the module docstring for the arithmetic).
 
     master: 1-D contiguous fp32 or bf16. m, v: same numel; fp32 / fp32, bf16 / bf16, or int8 / uint8 (blockwise
     8-bit codes, with fp32 `m_scales` / `v_scales` of ceil(numel / block_size) elements and `block_size` a power of
-    two in [8, 16384]). grad: fp32 or bf16. weights_out: optional bf16, receives the new master rounded to nearest
+    two in [8, 16384]). grad: fp32, bf16, or int8 (streamtrain_kernels/grad_quant.py's codes, with its fp32
+    `grad_scales` of ceil(numel / grad_block_size) elements and `grad_block_size`, a power of two in [8, 16384],
+    independent of the moments' block_size). weights_out: optional bf16, receives the new master rounded to nearest
     (for a bf16 master: the same bits). lr, clip: 0-d fp32 tensors on the state's device. step: the Adam step
     count after its increment (Python int >= 1). segments: (start, numel, weight_decay) tiling [0, numel) in
     order (`layout_segments` builds them for a UnitLayout). seed: any int, keys the stochastic rounding of bf16
@@ -496,6 +528,19 @@ def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: t
             _check_flat(name, s, (torch.float32,), n_blocks, device)
     elif m_scales is not None or v_scales is not None or block_size is not None:
         raise ValueError(f"{op}: m_scales, v_scales and block_size apply to int8 moments only (m is {m.dtype})")
+    grad_int8 = grad.dtype == torch.int8
+    if grad_int8:
+        lo, hi = BLOCK_SIZE_RANGE
+        if isinstance(grad_block_size, bool) or not isinstance(grad_block_size, int) \
+                or not lo <= grad_block_size <= hi or grad_block_size & (grad_block_size - 1):
+            raise ValueError(f"{op}: an int8 grad needs grad_block_size, a power of two in [{lo}, {hi}]; got "
+                             f"{grad_block_size!r}")
+        n_grad_blocks = -(-numel // grad_block_size)
+        if grad_scales is None:
+            raise ValueError(f"{op}: an int8 grad needs grad_scales (fp32, {n_grad_blocks} elements: one per block)")
+        _check_flat("grad_scales", grad_scales, (torch.float32,), n_grad_blocks, device)
+    elif grad_scales is not None or grad_block_size is not None:
+        raise ValueError(f"{op}: grad_scales and grad_block_size apply to an int8 grad only (grad is {grad.dtype})")
     seed = int(seed) & (2**64 - 1)
     offset = operator.index(offset)
     if offset < 0 or offset % 8:
@@ -506,7 +551,8 @@ def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: t
         from streamtrain_kernels.reference import adamw_update_reference
         adamw_update_reference(master, m, v, grad, lr=lr, clip=clip, step=step, beta1=beta1, beta2=beta2, eps=eps,
                                segments=segments, weights_out=weights_out, m_scales=m_scales, v_scales=v_scales,
-                               block_size=block_size, seed=seed, offset=offset)
+                               block_size=block_size, seed=seed, offset=offset, grad_scales=grad_scales,
+                               grad_block_size=grad_block_size)
         return
     if numel == 0:
         return
@@ -530,10 +576,14 @@ def adamw_update(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: t
     grid = (triton.cdiv(numel, R * G * 8),)
     _adamw_kernel[grid](bits16(master), bits16(m), bits16(v), grad,
                         weights_out.view(torch.int16) if weights_out is not None else dummy,
-                        m_scales if quantized else dummy, v_scales if quantized else dummy, lr, clip, table,
+                        m_scales if quantized else dummy, v_scales if quantized else dummy,
+                        grad_scales if grad_int8 else dummy, lr, clip, table,
                         len(runs), numel, _f64_bits(1.0 - beta1 ** float(step)), _f64_bits(1.0 / bc2_sqrt),
                         lerp_coef, _fp32(beta2), _fp32(1.0 - beta2), _fp32(eps), offset // 8, *halves, R=R, G=G,
                         NR_POW2=max(2, triton.next_power_of_2(len(runs))),
                         LERP_SMALL=lerp_small, MASTER_BF16=master.dtype == torch.bfloat16, MOMENTS=moments,
-                        WITH_WEIGHTS=weights_out is not None, num_warps=launch.num_warps, enable_fp_fusion=False,
+                        WITH_WEIGHTS=weights_out is not None, GRAD_INT8=grad_int8,
+                        GRAD_SHIFT=grad_block_size.bit_length() - 1 if grad_int8 else 0,
+                        GRAD_PER_ROW=grad_int8 and grad_block_size == G * 8,
+                        num_warps=launch.num_warps, enable_fp_fusion=False,
                         **({} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}))

@@ -364,7 +364,8 @@ def adamw_update_reference(master: torch.Tensor, m: torch.Tensor, v: torch.Tenso
                            clip, step: int, beta1: float, beta2: float, eps: float, segments,
                            weights_out: Optional[torch.Tensor] = None, m_scales: Optional[torch.Tensor] = None,
                            v_scales: Optional[torch.Tensor] = None, block_size: Optional[int] = None,
-                           seed: int = 0, offset: int = 0) -> None:
+                           seed: int = 0, offset: int = 0, grad_scales: Optional[torch.Tensor] = None,
+                           grad_block_size: Optional[int] = None) -> None:
     """`adamw_update` in torch ops, in place, with the kernel's bits (arguments as there, already validated).
 
     In fp32: g = grad * clip; p = p * fp32(1 - lr * wd) (wd of the element's segment, the product in fp64);
@@ -373,7 +374,8 @@ def adamw_update_reference(master: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     the operation order of torch's fused CPU AdamW. bf16 state is upcast, updated, and stochastically rounded
     with the Philox streams of `adamw_stream_seeds(seed)` at logical index offset + i; int8 moments are decoded
     with their block scales and re-encoded with new ones (see `_quantize_blocks`); `weights_out` gets the new
-    master rounded to nearest bf16."""
+    master rounded to nearest bf16. An int8 `grad` (streamtrain_kernels/grad_quant.py's codes) is first dequantized
+    with `grad_scales` / `grad_block_size` (`dequantize_blocks_reference`, signed)."""
     f32 = lambda x: torch.tensor(float(x), dtype=torch.float64).float()  # noqa: E731  (double -> fp32, nearest)
     n = master.numel()
     device = master.device
@@ -385,6 +387,8 @@ def adamw_update_reference(master: torch.Tensor, m: torch.Tensor, v: torch.Tenso
         decay[start:start + count] = (1 - lr64 * float(wd)).float()
     step_size = (-(lr64 / bc1)).float()
 
+    if grad.dtype == torch.int8:
+        grad = dequantize_blocks_reference(grad, grad_scales, grad_block_size, signed=True)
     g = grad.float() * clip.detach().float().reshape(())
     p = master.float()
     if m.dtype == torch.int8:
@@ -423,3 +427,43 @@ def adamw_update_reference(master: torch.Tensor, m: torch.Tensor, v: torch.Tenso
         v.copy_(v_val)
     if weights_out is not None:
         weights_out.copy_(master if master.dtype == torch.bfloat16 else round_bf16_nearest_reference(p))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# streamtrain_kernels/grad_quant.py
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def quantize_grad_int8_reference(x: torch.Tensor, seed: int, block_size: int):
+    """(codes int8 [n], scales fp32 [ceil(n / block_size)]) of fp32 `x` in the int8 moment m's code (sign + e4m3
+    magnitude, blockwise scale = absmax / top code as `_quantize_blocks`), the magnitude rounded stochastically.
+
+    y = |x| * fp32(1 / scale) lies between adjacent code values lo <= y <= hi; its position in code units, p = code
+    of lo + (y - lo) / (hi - lo), is exact in fixed point with 20 fraction bits: in the normal range the fp32 bits
+    of y less the code's exponent bias (the mantissa bits below the code's 3 are the fraction), below it floor(y *
+    2**37) (y in units of the subnormal step 2**-17, times 2**20: a power-of-two scaling, then floor). p is clamped
+    to the top code (y above it, a NaN), and code = (p + 16 * r) >> 20 with r the element's 16 random bits
+    (`stochastic_bits_reference(seed, n)`): hi with probability floor(2**16 * frac) / 2**16. Negative values get
+    +128 when their magnitude code is > 0."""
+    e_bits, m_bits = M_CODE
+    emax = 2**e_bits - 1
+    shift = 23 - m_bits
+    top = 2.0 - 2.0 ** -m_bits
+    n = x.numel()
+    n_blocks = -(-n // block_size)
+    padded = torch.zeros(n_blocks * block_size, dtype=torch.float32, device=x.device)
+    padded[:n] = x.reshape(-1)
+    blocks = padded.view(n_blocks, block_size)
+    scale = blocks.abs().amax(dim=1) / top
+    inv = 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = blocks.abs() * inv[:, None]
+    y_bits = y.view(torch.int32).to(torch.int64) & 0x7FFFFFFF  # a NaN's sign bit is no magnitude
+    normal = y_bits >= ((128 - emax) << 23)  # y >= 2**(1 - emax), the smallest normal code (a NaN too)
+    sub_pos = (torch.where(normal, 0.0, y) * 2.0 ** (emax - 1 + m_bits + shift)).to(torch.int64)
+    pos = torch.where(normal, y_bits - ((127 - emax) << 23), sub_pos).clamp(max=(2**(e_bits + m_bits) - 1) << shift)
+    r = torch.zeros(n_blocks * block_size, dtype=torch.int64, device=x.device)
+    r[:n] = stochastic_bits_reference(seed, n, device=x.device)
+    code = (pos + (r.view(n_blocks, block_size) << (shift - 16))) >> shift
+    code = torch.where((blocks < 0) & (code > 0), code + 128, code)
+    code = torch.where(code >= 128, code - 256, code).to(torch.int8)
+    return code.reshape(-1)[:n], scale

@@ -137,7 +137,8 @@ def test_cleanup_deletes_only_what_streamtrain_wrote_and_logs_each_removal(tmp_p
 
 
 def _holder(run_dir: Path, *args) -> subprocess.Popen:
-    """A real training run that goes on until killed, once it has logged its first step."""
+    """A real training run that goes on until killed, once it has logged its first step; then stopped (SIGSTOP): it
+    stays alive and holds its locks, without taking a core from the runs started beside it."""
     proc = subprocess.Popen([sys.executable, "train.py", "logger=none", "hardware=cpu", *RECIPE, "engine=reference",
                              "train.steps=100000", "train.log_every=1", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -147,6 +148,7 @@ def _holder(run_dir: Path, *args) -> subprocess.Popen:
     while not (metrics.exists() and '"loss"' in metrics.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
+    proc.send_signal(signal.SIGSTOP)
     return proc
 
 

@@ -18,6 +18,7 @@ def test_bytes_per_format():
     int8 = StateFormat("bf16", "int8", "bf16", block_size=256)
     assert int8.moments_bytes(n) == 2 * n + 2 * 4 * 4
     assert int8.state_bytes(n) == 2 * n + int8.moments_bytes(n) and int8.grad_bytes(n) == 2 * n
+    assert StateFormat("bf16", "int8", "int8", block_size=256).grad_bytes(n) == n + 4 * 4  # 4 blocks' scales
     assert StateFormat().exact and not int8.exact
     assert StateFormat().update_hbm_bytes(n) == 28 * n  # torch's fused AdamW writes no bf16 weights
     assert int8.update_hbm_bytes(n) == 2 * int8.state_bytes(n) + 2 * n + 2 * n
@@ -25,10 +26,19 @@ def test_bytes_per_format():
 
 def test_every_format_is_listed_once_the_most_precise_first():
     formats = all_formats(128)
-    assert len(set(formats)) == 2 * 3 * 2 and formats[0] == StateFormat(block_size=128)
+    assert len(set(formats)) == 2 * 3 * 3 and formats[0] == StateFormat(block_size=128)
     sizes = [f.bytes_per_param() for f in formats]
     assert sizes == sorted(sizes, reverse=True)
-    assert formats[-1] == StateFormat("bf16", "int8", "bf16", 128)
+    assert formats[-1] == StateFormat("bf16", "int8", "int8", 128)
+
+
+def test_auto_gradients_never_take_int8_which_only_an_explicit_setting_picks():
+    from engine.formats import candidate_formats
+    auto = make_cfg(["train.master_dtype=auto", "train.moments_dtype=auto", "train.grad_dtype=auto"]).train
+    assert {f.grad for f in candidate_formats(auto)} == {"fp32", "bf16"}
+    fixed = make_cfg(["train.master_dtype=auto", "train.moments_dtype=auto", "train.grad_dtype=int8"]).train
+    assert {f.grad for f in candidate_formats(fixed)} == {"int8"}
+    assert "train.moments_block_size=256" in StateFormat("bf16", "bf16", "int8").overrides()
 
 
 def _plan(overrides, model="qwen7b", check=False, on_gpu=True):
@@ -105,7 +115,9 @@ def _train_reference(overrides, steps, monkeypatch=None, kernel=True):
 
 FORMATS = {"bf16": ["train.master_dtype=bf16", "train.moments_dtype=bf16", "train.grad_dtype=fp32"],
            "int8": ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.moments_block_size=64",
-                    "train.grad_dtype=bf16"]}
+                    "train.grad_dtype=bf16"],
+           "int8-grads": ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.moments_block_size=64",
+                          "train.grad_dtype=int8"]}
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -225,6 +237,8 @@ STREAM_CASES = {  # format, placement of the 5 units (embedding, 3 layers, head)
     # held bf16 gradients in host memory: the last 4 streamed units' (the head's accumulator and the shared pair of
     # layer accumulators get wire copies); the streamed embedding's stays on the device
     "int8-bf16-grads-on-host": [*FORMATS["int8"], "engine.gpu_resident_units=0", "engine.host_grad_units=4"],
+    # held int8 gradients: the resident units' updates and the streamed ones' decode the codes
+    "int8-int8-grads-streamed": [*FORMATS["int8-grads"], "engine.gpu_resident_units=2"],
     "fp32-master-bf16-moments-kept": ["train.moments_dtype=bf16", "engine.gpu_resident_units=1",
                                       "engine.keep_activation_layers=2"],
 }
@@ -233,10 +247,10 @@ STREAM_CASES = {  # format, placement of the 5 units (embedding, 3 layers, head)
 @pytest.mark.parametrize("name", STREAM_CASES)
 def test_the_streaming_engine_trains_a_format_as_the_plain_torch_run(name):
     """engine=stream (on the CPU: the same schedule with stand-in streams) in each place a format's unit can be
-    updated (GPU-resident, GPU-streamed through staging) with fp32 or bf16 held gradients, against engine=reference
-    in the same format: the same losses and the same master and moments, bit for bit, over four steps with clipping
-    active. After step 2 the state is read (which applies the pending streamed updates without a slot, so the next
-    forward loads those units' low-precision masters from host memory)."""
+    updated (GPU-resident, GPU-streamed through staging) with fp32, bf16 or int8 held gradients, against
+    engine=reference in the same format: the same losses and the same master and moments, bit for bit, over four
+    steps with clipping active. After step 2 the state is read (which applies the pending streamed updates without a
+    slot, so the next forward loads those units' low-precision masters from host memory)."""
     from tests.test_engine_equivalence import build
 
     over = [*STREAM_CASES[name], "model.tie_word_embeddings=false", "train.grad_accum=2"]
@@ -260,7 +274,7 @@ def test_the_streaming_engine_trains_a_format_as_the_plain_torch_run(name):
     if stream.held:  # those units' held gradients live in the host store's buffers, the others' on the device
         assert all(stream.held[u].flat is stream.store.grads[u] for u in stream.host_held)
         assert stream.memory_bytes()["device_held_grads"] == sum(
-            2 * stream.store.layouts[u].numel for u in range(5) if u not in stream.host_held)
+            stream.fmt.grad_bytes(stream.store.layouts[u].numel) for u in range(5) if u not in stream.host_held)
     assert losses_r == losses_s
     opt_r, opt_s = ref.opt, stream.format_opt
     assert ref.master_weights().keys() == stream.master_weights().keys()  # applies the pending updates

@@ -15,7 +15,7 @@ from engine import checkpoint, config, hardware, optim
 from engine.config import check_overrides, validate
 from engine.formats import StateFormat
 from engine.model import ModelSpec
-from engine.plan import build_plan
+from engine.plan import PlanError, build_plan
 from tests.util import ROOT, make_cfg
 
 EXPERIMENTS = sorted(p.stem for p in (config.CONF_DIR / "experiment").glob("*.yaml"))
@@ -174,3 +174,22 @@ def test_the_gptoss20b_h100_recipe_plans_the_micro_batches_that_hide_its_weight_
     assert not plan.problem(), plan.table() + "\n" + plan.problem()
     assert cfg.train.grad_accum == 13 and plan.link_bound_ratio() <= 1.0
     assert plan.times_s["step"] == pytest.approx(16.3, abs=0.05)
+
+
+def test_the_qwen3_30b_a3b_h100_recipe_fits_by_its_int8_held_gradients():
+    """Its header: on the H100 profile at 64K tokens a step the plan fits with int8 held gradients, all in HBM, and
+    is refused with bf16 ones, whose refusal names the int8 gradients among the formats that fit."""
+    cfg = compose_cfg(["experiment=bench_qwen3_30b_a3b_h100", "plan=true"])
+
+    def plan_of(c, check=False):
+        return build_plan(ModelSpec(c.model), c, hardware.usable_gpu_gib(c.hardware, 0.0),
+                          c.hardware.profile_host_mem_gib, on_gpu=True, check=check)
+
+    plan = plan_of(cfg)
+    assert not plan.problem(), plan.table() + "\n" + plan.problem()
+    assert plan.state_format == StateFormat("bf16", "int8", "int8") and plan.placement.host_grad_units == 0
+    assert cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.seq_len == 65536
+    assert plan.times_s["step"] == pytest.approx(6.6, abs=0.1)
+    bf16_grads = compose_cfg(["experiment=bench_qwen3_30b_a3b_h100", "plan=true", "train.grad_dtype=bf16"])
+    with pytest.raises(PlanError, match=r"host memory(.|\n)*train.grad_dtype=int8"):
+        plan_of(bf16_grads, check=True)

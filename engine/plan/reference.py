@@ -23,7 +23,7 @@ def reference_plan(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, fm
     plan.add(tier, "fp32 gradients", 4 * n)
     plan.add(tier, f"{fmt.moments} Adam m + v", fmt.moments_bytes(n))
     if not fmt.torch_adamw(t.fp32_update):  # the kernel's path (engine/reference.py)
-        plan.add(tier, "fp32 weights the forward reads, the gathered fp32 gradient (+ its bf16 copy)",
+        plan.add(tier, f"fp32 weights the forward reads, the gathered fp32 gradient (+ its {fmt.grad} copy)",
                  8 * n + (fmt.grad_bytes(n) if fmt.grad != "fp32" else 0))
     plan.add(tier, "layer-input activations (one micro-batch)",
              (s.L if t.activation_checkpointing else 0) * 4 * s.h * s.mb_tokens)

@@ -59,7 +59,9 @@ engine=reference keys it, so both engines round alike), in GPU memory or, for th
 units, in pinned host memory: rounded into its accumulator's wire copy and sent over D2H (`_hold_on_host`), then
 fetched beside the unit's state at its update (engine/streaming/streamed_update.py); the norms are of the rounded copies, taken by
 `optim.sq_norms` in a pass of their own (2 B/element): the rounding kernel works on the flat buffer without the
-layout's tensor boundaries, and the fp32 path is the one whose speed matters.
+layout's tensor boundaries, and the fp32 path is the one whose speed matters. int8 gradients go the same way, in GPU
+memory only: the quantizer writes the unit's codes and block scales into its held copy and the dequantized values
+back over the accumulator, whose norms are then taken (4 B/element), and the update kernel decodes the codes.
 
 bf16 gradient transfer (`train.grad_transfer_dtype=bf16`; fp32 state, so there are host-updated units). Only the
 host-updated units' gradients cross the link, and they may cross it as bf16: each finished fp32 gradient is rounded
@@ -95,6 +97,7 @@ from engine.distributed import SINGLE, DataParallel, state_owners
 from engine.device import Device, autocast_ctx
 from engine.formats import GRAD_STREAM, StateFormat, update_seed
 from streamtrain_kernels.grad_accum import to_bf16_stochastic
+from streamtrain_kernels.grad_quant import quantize_grad_int8
 from engine.batch import Batch, loss_tokens
 from engine.model import ModelSpec, backprop
 from engine.model.rope import Positions
@@ -259,20 +262,21 @@ class StreamEngine:
         wired = set(self.host_units if self.transfer_bf16 and not self.grads_on_gpu else ()) | set(self.host_held)
         self.acc: Dict[int, GradAccumulator] = {
             u: GradAccumulator(self.dev, layouts[u], fused, wire=u in wired) for u in (0, L + 1)}
-        # bf16 gradients (a format's train.grad_dtype): every unit's gradient is held as a stochastically rounded
-        # bf16 copy until its update (in GPU memory, or for `host_held` units in the host store's gradient buffers);
-        # the layers accumulate in fp32 in a shared pair, as with gradients on the host. Only the rank that updates
-        # a unit reads its held copy (with sharded state the others' sum ends at the reduce), so each rank holds the
-        # copies of its own units
-        self.holds_bf16_grads = self.fmt.grad == "bf16"
+        # bf16 or int8 gradients (a format's train.grad_dtype): every unit's gradient is held as a stochastically
+        # rounded copy until its update (in GPU memory, or for bf16 `host_held` units in the host store's gradient
+        # buffers); the layers accumulate in fp32 in a shared pair, as with gradients on the host. Only the rank that
+        # updates a unit reads its held copy (with sharded state the others' sum ends at the reduce), so each rank
+        # holds the copies of its own units
+        self.holds_grads = self.fmt.grad != "fp32"
         self.held: Dict[int, GradAccumulator] = {}
-        if self.holds_bf16_grads:
-            self.held = {u: GradAccumulator(self.dev, layouts[u], fused, torch.bfloat16,
+        if self.holds_grads:
+            held_dtype = torch.bfloat16 if self.fmt.grad == "bf16" else torch.int8
+            self.held = {u: GradAccumulator(self.dev, layouts[u], fused, held_dtype, block_size=self.fmt.block_size,
                                             home=self.store.grads[u] if u in self.host_held else None)
                          for u in range(n_units) if self.owns(u)}
-        shared_layer_accs = not self.grads_on_gpu or self.holds_bf16_grads
+        shared_layer_accs = not self.grads_on_gpu or self.holds_grads
         # GPU-updated layers need their own accumulators only when the other layers share a ring
-        self.device_accs = {} if self.grads_on_gpu or self.holds_bf16_grads else {
+        self.device_accs = {} if self.grads_on_gpu or self.holds_grads else {
             u: GradAccumulator(self.dev, layouts[u], fused) for u in sorted(self.gpu_updated) if 0 < u <= L}
         n_layer_accs = min(2, L) if shared_layer_accs else L
         self.layer_accs = [GradAccumulator(self.dev, layer_layouts[0], fused, wire=any(0 < u <= L for u in wired))
@@ -439,8 +443,8 @@ class StreamEngine:
 
     def _sq_norms_out(self, unit: int, last: bool) -> Optional[torch.Tensor]:
         """Where an add into unit's accumulator writes its sums of squares: the last add of the step, unless the
-        norms are of the held bf16 copy or of the gradient summed over ranks (taken in `_finish_grad`)."""
-        return self.sq_slices[unit] if last and not self.holds_bf16_grads and not self.dp.active else None
+        norms are of the held copy or of the gradient summed over ranks (taken in `_finish_grad`)."""
+        return self.sq_slices[unit] if last and not self.holds_grads and not self.dp.active else None
 
     def _finish_grad(self, unit: int, grad_hook) -> None:
         acc = self.acc.pop(unit) if unit not in (0, self.spec.num_layers + 1) else self.acc[unit]
@@ -475,15 +479,23 @@ class StreamEngine:
         if unit in self.host_held:
             self._hold_on_host(unit, acc, norms)
             return
-        # round into the unit's held bf16 copy, keyed as engine=reference keys it; free the accumulator
-        if self.holds_bf16_grads:
+        # round into the unit's held copy, keyed as engine=reference keys it; take its norms; free the accumulator
+        if self.holds_grads:
             held = self._claim_held(unit)
-            to_bf16_stochastic(acc.flat, held.flat, self._held_seed(unit))
+            if held.scales is None:
+                to_bf16_stochastic(acc.flat, held.flat, self._held_seed(unit))
+                held_values = held.views
+            else:  # the dequantized values, over the accumulator
+                quantize_grad_int8(acc.flat, held.flat, held.scales, self._held_seed(unit), self.fmt.block_size,
+                                   dequantized_out=acc.flat)
+                held_values = acc.views
+            if norms:
+                self.sq_slices[unit].copy_(optim.sq_norms(list(held_values.values())))
             acc.hand_off()
             acc.read_queued(None)
             acc = held
-        # the norms of the rounded copy, of the hook's gradient, or of the sum over ranks
-        if (self.holds_bf16_grads or grad_hook is not None or self.dp.active) and norms:
+        # the norms of the hook's gradient, or of the sum over ranks
+        elif (grad_hook is not None or self.dp.active) and norms:
             self.sq_slices[unit].copy_(optim.sq_norms(list(acc.views.values())))
         acc.hand_off()
         if self.grads_on_gpu or unit in self.gpu_updated:
@@ -727,7 +739,7 @@ class StreamEngine:
                 acc.release_unread()
             else:
                 if self.format_opt is not None:  # the fused kernel scales by the clip coefficient itself
-                    self.format_opt.step_unit(unit, acc.flat, coef_dev)
+                    self.format_opt.step_unit(unit, acc.flat, coef_dev, grad_scales=acc.scales)
                 else:
                     if scale:
                         acc.flat.mul_(coef_dev)
@@ -829,7 +841,8 @@ class StreamEngine:
                        scale: bool, lr: float) -> None:
         """A GPU-streamed unit's update over its staging views, queued on the current stream."""
         if self.format_opt is not None:  # the fused kernel scales by the clip coefficient itself
-            self.format_opt.step_unit(unit, grad, coef, state=views)
+            held = self.held.get(unit)  # int8 gradients: the codes' scales (in GPU memory, never host-held)
+            self.format_opt.step_unit(unit, grad, coef, state=views, grad_scales=held.scales if held else None)
             return
         if scale:
             grad.mul_(coef)
@@ -951,8 +964,8 @@ class StreamEngine:
         out["device_grad_accumulators"] = sum(4 * a.flat.numel() for a in accs)
         out["device_optimizer_state"] = sum(t.numel() * t.element_size() for u in self.resident_units
                                             for t in self._state_tensors(u))
-        out["device_held_grads"] = sum(h.flat.numel() * h.flat.element_size() for u, h in self.held.items()
-                                       if u not in self.host_held)
+        out["device_held_grads"] = sum(t.numel() * t.element_size() for u, h in self.held.items()
+                                       if u not in self.host_held for t in (h.flat, h.scales) if t is not None)
         out["device_streamed_state_staging"] = self.streamed.bytes
         wires = [*self.wire_pair, *(a.wire for a in accs if a.wire is not None)]
         out["device_grad_transfer"] = sum(2 * w.numel() for w in wires)
