@@ -57,9 +57,10 @@ def assert_same_training(a: Path, b: Path, step: int):
 @pytest.mark.parametrize("engine, placement", [
     ("stream", []),  # every unit updated by the host AdamW (no GPU): gradients summed, then copied to the host
     ("stream", ["engine.gpu_resident_units=1", "engine.gpu_streamed_units=2"]),  # the three update places
-    # low-precision state: the summed gradient is rounded into the held bf16 copy, the same bits on every rank
-    # (and a slot per layer: the look-ahead holds one unit per rank)
-    ("stream", ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=bf16",
+    # low-precision state: the summed gradient is quantized into the held int8 copy, the same bits on every rank
+    # (bf16 copies: the test of each rank's own held gradients below), and a slot per layer: the look-ahead holds
+    # one unit per rank
+    ("stream", ["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=int8",
                 "engine.cache_weights=on"]),
     # MoE with its balance loss: each micro-batch's term is scaled by the step's tokens over all ranks
     ("stream", ["model.num_hidden_layers=2", *FAMILIES["qwen3_moe"]]),

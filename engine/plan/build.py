@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from engine.execution import Execution
 from engine.config import GRAD_ACCUM_AUTO, ConfigError, exact_state_required
-from engine.formats import FIELDS, StateFormat, all_formats, candidate_formats, format_is_open
+from engine.formats import AUTO_GRAD_DTYPES, FIELDS, StateFormat, all_formats, candidate_formats, format_is_open
 from engine.plan.memory import GIB, MemoryPlan, PlanError
 from engine.plan.micro_batches import choose_micro_batches
 from engine.plan.reference import reference_plan
@@ -215,8 +215,10 @@ def formats_that_fit(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, 
             engine = "engine=stream " if cfg.engine.name != "stream" else ""
             g = plan.placement.recompute_group
             groups = f" engine.recompute_group={g}" if g > 1 else ""
+            unmeasured = "" if fmt.grad in AUTO_GRAD_DTYPES else \
+                " (int8 gradients: their training quality is not yet measured on a GPU, so auto never takes them)"
             found.append(f"model={cfg.model.name}: fits with {engine}{fmt.overrides()}{groups}: "
-                         f"host {plan.total('host') / GIB:.1f} GiB, GPU {plan.total('gpu') / GIB:.1f} GiB")
+                         f"host {plan.total('host') / GIB:.1f} GiB, GPU {plan.total('gpu') / GIB:.1f} GiB{unmeasured}")
             if len(found) == limit:
                 break
     return found
