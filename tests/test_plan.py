@@ -474,3 +474,18 @@ def test_the_host_adamw_in_step_rate_replaces_the_calibrations_where_measured():
     assert "in-step rate" not in calibrated.speeds
     with pytest.raises(ConfigError, match=r"hardware.cpu_adam_gparams_per_s_in_step=-1.0 .*not measured"):
         make_cfg([*base, "hardware.cpu_adam_gparams_per_s_in_step=-1"])
+
+
+def test_more_host_memory_never_refuses_a_plan_that_fits_with_less():
+    """gpt-oss-20b at 8 x 4 x 4096 tokens on the H100 profile fits in 125 GiB of host by sending 18 units' held bf16
+    gradients to the host. With more host, the gradients' tier used to flip back to the GPU after those units had
+    been sent to the host (an inconsistent placement whose rows then overflowed HBM), and the run was refused. A
+    placement with held gradients on the host keeps the gradients' tier there."""
+    cfg = make_cfg(["experiment=bench_gptoss20b_h100", "hardware=h100", "plan=true", "train.grad_accum=8"])
+    plans = {host: build_plan(ModelSpec(cfg.model), cfg, gpu_gib=78.5, host_gib=host, on_gpu=True, check=False)
+             for host in (125.0, 190.0, 253.0)}
+    for host, plan in plans.items():
+        assert not plan.problem(), (host, plan.table())
+        placement = plan.placement
+        assert placement.host_grad_units > 0 and placement.grads_tier == "host", (host, placement)
+    assert plans[253.0].times_s["step"] <= plans[125.0].times_s["step"] * 1.001

@@ -28,7 +28,7 @@ SMALL = "train.master_dtype=bf16 train.moments_dtype=int8 train.grad_dtype=bf16"
 PLANNED_FORMATS = {
     "finetune_qwen7b_h100": FP32,
     "finetune_qwen7b_h200": FP32,
-    "finetune_qwen14b_h100": SMALL,
+    "finetune_qwen14b_h100": "train.master_dtype=fp32 train.moments_dtype=int8 train.grad_dtype=bf16",
     "finetune_qwen14b_h200": "train.master_dtype=bf16 train.moments_dtype=fp32 train.grad_dtype=fp32",
     "finetune_qwen32b_h100": FP32,
     "finetune_qwen32b_h200": SMALL,

@@ -69,7 +69,7 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
             cached, left = _take(nbytes["cache"] - nbytes["ring"] - s.own_slot_bytes(n_res),
                                  "host" if e.cache_weights == "off" else "auto", left)
         grads_tier = base.grads_tier
-        if not grads_first:
+        if not grads_first and not n_host_grads:  # held gradients sent to the host keep the gradients' tier there
             on, left = _take(nbytes["grad"] - nbytes["side_grad"] - s.own_accumulator_bytes(n_res + n_str),
                              e.grads_tier, left)
             grads_tier = "gpu" if on else "host"
