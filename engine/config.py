@@ -630,14 +630,12 @@ def _validate_engine(cfg: DictConfig) -> None:
                           f"model.num_hidden_layers={cfg.model.num_hidden_layers}")
     _positive("engine.nvme_units", e.nvme_units, -1)
     _positive("engine.host_grad_units", e.host_grad_units, -1)
-    if e.host_grad_units > 0 and cfg.train.grad_dtype == "fp32":
-        raise ConfigError(f"engine.host_grad_units={e.host_grad_units} places held bf16 gradients, and "
-                          "train.grad_dtype=fp32 holds none (fp32 gradients have engine.grads_tier); use "
-                          "train.grad_dtype=bf16 or auto, or engine.host_grad_units=-1 or 0")
-    if e.host_grad_units > 0 and cfg.train.grad_dtype == "int8":
+    why_no_host_grads = {"fp32": "holds none (fp32 gradients have engine.grads_tier)",
+                         "int8": "holds its gradients on the GPU only"}.get(cfg.train.grad_dtype)
+    if e.host_grad_units > 0 and why_no_host_grads:
         raise ConfigError(f"engine.host_grad_units={e.host_grad_units} places held bf16 gradients in host memory, "
-                          "and train.grad_dtype=int8 holds its gradients on the GPU only; use train.grad_dtype=bf16, "
-                          "or engine.host_grad_units=-1 or 0")
+                          f"and train.grad_dtype={cfg.train.grad_dtype} {why_no_host_grads}; use "
+                          "train.grad_dtype=bf16 or auto, or engine.host_grad_units=-1 or 0")
     inexact = _set_formats(cfg.train) if formats.fixed_inexact(cfg.train) else None
     if e.nvme_units > 0 and inexact:
         raise ConfigError(f"engine.nvme_units={e.nvme_units}: the NVMe tier holds the fp32 moments of host-updated "

@@ -99,21 +99,24 @@ def launch_config(device: torch.device, block_size: int) -> Tuple[int, int, int]
 
 
 @triton.jit
-def _tile_offsets(R: tl.constexpr, G: tl.constexpr):
-    """int32 offsets of a [R, G, 8] tile's elements from its start, and the column index [1, 1, 8]."""
+def _tile(numel, R: tl.constexpr, G: tl.constexpr):
+    """This program's [R, G, 8] tile of whole blocks (block = G * 8 elements): its start, the int32 offsets of its
+    elements from there, the column index [1, 1, 8], the elements it holds (rem), whether it is full, its blocks'
+    indices [R] and the number of blocks."""
+    pid = tl.program_id(0).to(tl.int64)
+    tile_start = pid * (R * G * 8)
     col = tl.arange(0, 8)[None, None, :]
-    return tl.arange(0, R)[:, None, None] * (G * 8) + tl.arange(0, G)[None, :, None] * 8 + col, col
+    offs = tl.arange(0, R)[:, None, None] * (G * 8) + tl.arange(0, G)[None, :, None] * 8 + col
+    rem = tl.minimum(numel - tile_start, R * G * 8).to(tl.int32)
+    blocks = pid * R + tl.arange(0, R)
+    n_blocks = (numel + G * 8 - 1) // (G * 8)
+    return tile_start, offs, col, rem, rem == R * G * 8, blocks, n_blocks
 
 
 @triton.jit(do_not_specialize=["numel", "seed_lo", "seed_hi"])
 def _quantize_kernel(x_ptr, code_ptr, scale_ptr, deq_ptr, numel, seed_lo, seed_hi, R: tl.constexpr,
                      G: tl.constexpr, WITH_DEQ: tl.constexpr):
-    TILE: tl.constexpr = R * G * 8
-    pid = tl.program_id(0).to(tl.int64)
-    tile_start = pid * TILE
-    offs, col = _tile_offsets(R, G)
-    rem = tl.minimum(numel - tile_start, TILE).to(tl.int32)
-    full = rem == TILE
+    tile_start, offs, col, rem, full, blocks, n_blocks = _tile(numel, R, G)
     x = load_tile(x_ptr + tile_start, offs, rem, full)  # the tail reads 0: no effect on the absmax
 
     scale = _block_scale(x, M_INV_TOP_BITS)
@@ -124,7 +127,7 @@ def _quantize_kernel(x_ptr, code_ptr, scale_ptr, deq_ptr, numel, seed_lo, seed_h
     pos = tl.minimum(tl.where(normal, y_bits - POS_BIAS, sub_pos), MAX_POS)
 
     # 16 random bits per element: half (col & 1) of Philox word col // 2 for the element's group of 8
-    counter = pid * (TILE // 8) + tl.arange(0, R)[:, None] * G + tl.arange(0, G)[None, :]
+    counter = tile_start // 8 + tl.arange(0, R)[:, None] * G + tl.arange(0, G)[None, :]
     r0, r1, r2, r3 = philox_4x32((counter & 0xFFFFFFFF).to(tl.uint32), (counter >> 32).to(tl.uint32),
                                  seed_lo.to(tl.uint32), seed_hi.to(tl.uint32))
     r0, r1, r2, r3 = r0[:, :, None], r1[:, :, None], r2[:, :, None], r3[:, :, None]
@@ -135,8 +138,6 @@ def _quantize_kernel(x_ptr, code_ptr, scale_ptr, deq_ptr, numel, seed_lo, seed_h
     # the int8 code, sign-extended: the sign bit (+128) on a negative value with a magnitude code > 0
     code = tl.where((x < 0) & (mag_code > 0), mag_code - 128, mag_code)
     store_tile(code_ptr + tile_start, offs, rem, full, code.to(tl.int8))
-    blocks = pid * R + tl.arange(0, R)
-    n_blocks = (numel + G * 8 - 1) // (G * 8)
     tl.store(scale_ptr + blocks, scale, mask=blocks < n_blocks)
     if WITH_DEQ:
         store_tile(deq_ptr + tile_start, offs, rem, full, decode_signed_m_code(code, scale[:, None, None]))
@@ -144,15 +145,8 @@ def _quantize_kernel(x_ptr, code_ptr, scale_ptr, deq_ptr, numel, seed_lo, seed_h
 
 @triton.jit(do_not_specialize=["numel"])
 def _dequantize_kernel(code_ptr, scale_ptr, out_ptr, numel, R: tl.constexpr, G: tl.constexpr):
-    TILE: tl.constexpr = R * G * 8
-    pid = tl.program_id(0).to(tl.int64)
-    tile_start = pid * TILE
-    offs, _ = _tile_offsets(R, G)
-    rem = tl.minimum(numel - tile_start, TILE).to(tl.int32)
-    full = rem == TILE
+    tile_start, offs, _, rem, full, blocks, n_blocks = _tile(numel, R, G)
     code = load_tile(code_ptr + tile_start, offs, rem, full).to(tl.int32)
-    blocks = pid * R + tl.arange(0, R)
-    n_blocks = (numel + G * 8 - 1) // (G * 8)
     scale = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=0.0)[:, None, None]
     store_tile(out_ptr + tile_start, offs, rem, full, decode_signed_m_code(code, scale))
 

@@ -362,6 +362,11 @@ def test_refuses_bad_arguments():
         (dict(weights_out=torch.zeros(n)), "weights_out has dtype torch.float32"),
         (dict(master=torch.zeros(2, 50)), "master must be 1-D and contiguous"),
     ]
+    assert_refusals(base, cases)
+
+
+def assert_refusals(base: dict, cases) -> None:
+    """Each (override, match) of `cases` applied to the adamw_update arguments `base` raises a ValueError matching."""
     for override, match in cases:
         kwargs = {**base, **override}
         args = [kwargs.pop(k) for k in ("master", "m", "v", "grad")]

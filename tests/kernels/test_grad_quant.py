@@ -17,7 +17,8 @@ import streamtrain_kernels.adamw_update as A
 import streamtrain_kernels.grad_quant as Q
 from streamtrain_kernels.reference import (M_CODE, adamw_update_reference, code_decode_reference,
                                            dequantize_blocks_reference, quantize_grad_int8_reference)
-from tests.kernels.test_adamw_update import CLIP, HP, LR, assert_same_state, bits, grads, make_state
+from tests.kernels.test_adamw_update import (CLIP, HP, LR, assert_refusals, assert_same_state, bits, grads,
+                                             make_state)
 
 TOP = 2.0 - 2.0 ** -M_CODE[1]
 CODE_VALUES = code_decode_reference(torch.arange(128), *M_CODE).double()  # magnitude code -> value, increasing
@@ -236,11 +237,7 @@ def test_adamw_refuses_bad_int8_grad_arguments():
         (dict(grad=torch.zeros(n)), "grad_scales and grad_block_size apply to an int8 grad only"),
         (dict(grad=torch.zeros(n, dtype=torch.uint8)), "grad has dtype torch.uint8"),
     ]
-    for override, match in cases:
-        kwargs = {**base, **override}
-        args = [kwargs.pop(k) for k in ("master", "m", "v", "grad")]
-        with pytest.raises(ValueError, match=match):
-            A.adamw_update(*args, **kwargs)
+    assert_refusals(base, cases)
 
 
 # ---------------------------------------------------------------------------------------------------------------
