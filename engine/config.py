@@ -633,8 +633,8 @@ def _validate_engine(cfg: DictConfig) -> None:
     why_no_host_grads = {"fp32": "holds none (fp32 gradients have engine.grads_tier)",
                          "int8": "holds its gradients on the GPU only"}.get(cfg.train.grad_dtype)
     if e.host_grad_units > 0 and why_no_host_grads:
-        raise ConfigError(f"engine.host_grad_units={e.host_grad_units} places held bf16 gradients in host memory, "
-                          f"and train.grad_dtype={cfg.train.grad_dtype} {why_no_host_grads}; use "
+        raise ConfigError(f"engine.host_grad_units={e.host_grad_units} places held bf16 gradients, and "
+                          f"train.grad_dtype={cfg.train.grad_dtype} {why_no_host_grads}; use "
                           "train.grad_dtype=bf16 or auto, or engine.host_grad_units=-1 or 0")
     inexact = _set_formats(cfg.train) if formats.fixed_inexact(cfg.train) else None
     if e.nvme_units > 0 and inexact:
