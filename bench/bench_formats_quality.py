@@ -113,9 +113,11 @@ def plot(rows_path: Path, png: Path) -> None:
         if row.get("val_curve"):
             steps, losses = zip(*row["val_curve"][1:])  # from the first validation after step 0 (12 nats there)
             tokens_m = [s * row["tokens_per_step"] / 1e6 for s in steps]
+            # a call without an fp32 run has no ratio: the label gives the final loss itself
+            ratio = row["ratio_vs_fp32"]
+            versus = f"x{ratio:.4f} of fp32" if ratio is not None else f"{row['final_val_loss']:.4f}"
             ax.plot(tokens_m, losses, marker=".", label=f"{LABELS[row['format']]}, seed {row.get('seed', 0)}: "
-                                                        f"x{row['ratio_vs_fp32']:.4f} of fp32 at step "
-                                                        f"{row['compared_at_step']}")
+                                                        f"{versus} at step {row['compared_at_step']}")
     first = rows[0]
     ax.set_xlabel("tokens (M)")
     ax.set_ylabel("validation loss (nats/byte)")

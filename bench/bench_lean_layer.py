@@ -102,7 +102,7 @@ def model_seconds(model: str, variant: str, T: int, hardware: str) -> float:
     ex = Execution(on_gpu=True, compiled=True, compile_workers=False, fused_loss=True, attention=probe.attention,
                    mlp_chunk_tokens=probe.mlp_chunk_tokens, lean=probe.lean)
     s = StepShape(spec, cfg, True, StateFormat(), execution=ex)
-    sp = Speeds(cfg.hardware, True, ex.attention, spec.moe, spec.arch.hidden, T)
+    sp = Speeds.of_step(cfg.hardware, spec, s, compiled=True)
     return sp.layer_fwd_s(s) + sp.layer_bwd_s(s, 3, s.recompute_skipped_flops, 2 if variant in KEPT else None)
 
 

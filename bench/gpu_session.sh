@@ -9,7 +9,7 @@
 # label its rows with BASE_SHA. The stage table (STAGES below) names what each stage runs; the functions above it
 # are the machine's plumbing: environment, logs, copying results back. Knobs read by the stages:
 #   JOB_S (per-job time limit of ctxsweep and the moe<N> stages), NVME_S, WAIT_S, SWEEP_S, SWEEP_MODELS,
-#   SWEEP_ONLY / PLANNER_ONLY / AB_JOBS (jobs of a grid), MOE_MODEL and WIDTH_MODELS (calibrate), QUALITY_S,
+#   SWEEP_ONLY / PLANNER_ONLY / AB_JOBS (jobs of a grid), MOE_MODELS and WIDTH_MODELS (calibrate), MOE_MICRO_BATCHES (calibratemoe), QUALITY_S,
 #   QUALITY_SEED, QUALITY_FORMATS, QUALITY_DETERMINISTIC, VAL_EVERY (qualitypaths), BASE_GRID (recomputeab: the
 #   grid's name in the base tree, where it may have another).
 set -u
@@ -207,9 +207,15 @@ stage checkpoint 'HF write, engine build, import and export of a qwen7b-shaped m
 stage calibrate 'the profile of this card ($OUT/<card>.yaml, to commit by hand; later stages plan with it)' \
   'card=$(gpu_card)
    py 540 engine.calibrate --base conf/hardware/$card.yaml --out $OUT/$card.yaml \
-     ${MOE_MODEL:+--moe-model $MOE_MODEL} --width-models "${WIDTH_MODELS-qwen3b,qwen14b,qwen72b}" \
+     ${MOE_MODELS:+--moe-models $MOE_MODELS} --width-models "${WIDTH_MODELS-qwen3b,qwen14b,qwen72b}" \
      --attn-points ${ATTN_POINTS-triton:32768 triton:131072 triton:524288 sdpa:131072 sdpa:524288} \
      --jsonl $OUT/calibrate.jsonl
+   use_profile $card'
+stage calibratemoe 'the MoE layers of this card'"'"'s profile alone (MOE_MODELS at MOE_MICRO_BATCHES x 4096, compiled; later stages plan with it)' \
+  'card=$(gpu_card)
+   py 540 engine.calibrate --moe-only --moe-models ${MOE_MODELS-gptoss20b,qwen3_30b_a3b} \
+     --moe-micro-batches ${MOE_MICRO_BATCHES-2,4} --modes compiled --base conf/hardware/$card.yaml \
+     --out $OUT/$card.yaml --jsonl $OUT/calibrate.jsonl
    use_profile $card'
 
 # engine jobs, by grid of bench/bench_engine.py

@@ -38,10 +38,16 @@ step is made of, each the median of `--repeats` timed repetitions after `--warmu
    in log(length)). A long point's calls take seconds each (18 s forward + backward at 512K), so they are
    repeated only as often as about 10 s allow (at least once after the warm-up). Without `--attn-points` the base
    profile's points are kept: they are of the kernel alone, measured on the same card.
-   With `--moe-model`, that mixture-of-experts model's layer at the same tokens, forward and backward as above
-   (its attention alone subtracted) -> `moe_fwd_tflops_<mode>`, `moe_bwd_tflops_<mode>` and `moe_model`: the
-   planner times MoE layers with these (their grouped expert matmuls, gathers and scatters run far below a
-   dense layer's rate: at 16K tokens on an H200 the dense figures made the MoE backward 2.5-6.4x short).
+   With `--moe-models`, each of those mixture-of-experts models' layer at each `--moe-micro-batches` size (default:
+   `--micro-batch`) of `--seq-len` tokens, forward and backward as above (its attention alone subtracted) -> one
+   entry of `moe_layers` each (model, layer shape, tokens, the forward and backward figures of each mode, and when
+   and where they were measured): the planner times MoE layers with the entries of their own shape, or the
+   nearest measured one, interpolated in log(tokens) (their grouped expert matmuls, gathers and scatters run far
+   below a dense layer's rate, and how far depends on the expert shapes and the tokens each expert gets: at 16K
+   tokens on an H200 the dense figures made the MoE backward 2.5-6.4x short, and on an H100 a Qwen3-30B-A3B step
+   timed at a gpt-oss-20b layer's figures came out 13% short). Entries of the base profile that are not measured
+   again (another model or token count) are kept. `--moe-only` measures these alone and copies every other field
+   from `--base`: adding a MoE model to a profile then takes a minute, not a recalibration.
    The profile records the layer's model and width (`layer_model`, `layer_hidden`). With `--width-models`, each of
    those dense models' layer and head at the same tokens, measured as above -> one entry of `layer_widths` each
    (model, hidden size, the six layer and head figures): a layer's rate depends on its width (on an H100 a
@@ -135,9 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the head as the run computes it (train.fused_loss; auto: fused on CUDA)")
     ap.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
                     help="the layer's attention backend (train.attention; default: auto, what a run picks)")
-    ap.add_argument("--moe-model", default=None,
-                    help="a MoE model of conf/model/ whose layer gives the moe_* figures the planner times MoE "
-                         "layers with (default: none; their grouped expert matmuls run well below a dense layer)")
+    ap.add_argument("--moe-models", default="",
+                    help="comma-separated MoE models of conf/model/ whose layers give the moe_layers figures the "
+                         "planner times MoE layers with (default: none; their grouped expert matmuls run well below "
+                         "a dense layer)")
+    ap.add_argument("--moe-micro-batches", default="",
+                    help="comma-separated micro-batch sizes (sequences of --seq-len) each --moe-models layer is "
+                         "measured at (default: --micro-batch)")
+    ap.add_argument("--moe-only", action="store_true",
+                    help="measure the --moe-models layers only; every other field is copied from --base")
     ap.add_argument("--width-models", default="",
                     help="comma-separated dense models of conf/model/ whose layer and head are measured as well, at "
                          "the same tokens, for the planner to time models of other widths (e.g. qwen3b,qwen14b; "
@@ -204,17 +216,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dic
     _require(parser, args.adam_numel >= 1, f"--adam-gparams {args.adam_gparams} is less than one element")
 
     model_cfg = _model_config(parser, "--model", args.model, known, args.seq_len)
-    args.moe_cfg = None
-    if args.moe_model is not None:
-        args.moe_cfg = _model_config(parser, "--moe-model", args.moe_model, known, args.seq_len)
-        _require(parser, bool(args.moe_cfg.num_experts), f"--moe-model {args.moe_model} is a dense model; choose "
-                 "a mixture-of-experts one (gptoss20b, gptoss120b, qwen3_30b_a3b)")
+    _moe_args(parser, args, known)
     args.width_cfgs = {}
     widths = {model_cfg.hidden_size: f"--model {args.model}"}
     for name in (m.strip() for m in args.width_models.split(",") if m.strip()):
         cfg = _model_config(parser, "--width-models", name, known, args.seq_len)
         _require(parser, not cfg.num_experts, f"--width-models {name} is a mixture-of-experts model; its layer "
-                 "figures come from --moe-model")
+                 "figures come from --moe-models")
         _require(parser, cfg.hidden_size not in widths, f"--width-models {name} has hidden size {cfg.hidden_size}, "
                  f"as {widths.get(cfg.hidden_size)} has: give each width once")
         widths[cfg.hidden_size] = f"--width-models {name}"
@@ -234,6 +242,24 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dic
             _require(parser, path.resolve().parent.is_dir(),
                      f"{flag} {str(path)!r}: directory {str(path.resolve().parent)!r} does not exist")
     return model_cfg
+
+
+def _moe_args(parser: argparse.ArgumentParser, args: argparse.Namespace, known: list[str]) -> None:
+    """`--moe-models` as args.moe_cfgs {name: model config}, `--moe-micro-batches` as args.moe_micro_batch_list."""
+    args.moe_cfgs = {}
+    for name in (m.strip() for m in args.moe_models.split(",") if m.strip()):
+        _require(parser, name not in args.moe_cfgs, f"--moe-models names {name} twice")
+        cfg = _model_config(parser, "--moe-models", name, known, args.seq_len)
+        _require(parser, bool(cfg.num_experts), f"--moe-models {name} is a dense model; choose mixture-of-experts "
+                 "ones (gptoss20b, gptoss120b, qwen3_30b_a3b)")
+        args.moe_cfgs[name] = cfg
+    texts = [t.strip() for t in args.moe_micro_batches.split(",") if t.strip()]
+    for text in texts:
+        _require(parser, text.isdigit() and int(text) >= 1,
+                 f"--moe-micro-batches: {text!r} is not an integer >= 1")
+    args.moe_micro_batch_list = sorted({int(t) for t in texts}) or [args.micro_batch]
+    _require(parser, not args.moe_only or bool(args.moe_cfgs), "--moe-only measures the --moe-models layers; "
+             "name at least one")
 
 
 def _attn_points(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -404,8 +430,8 @@ def measure_attention_point(spec: ModelSpec, backend: str, tokens: int, args: ar
 def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, device: torch.device,
                  compute_dtype: torch.dtype, attention: dict, moe: bool = False, label: str = "") -> dict[str, float]:
     """The layer's figures without its attention (`attention`: its seconds at this shape) and the
-    head's; `moe`: the `--moe-model` layer's, as `moe_fwd_tflops_<mode>` / `moe_bwd_tflops_<mode>`, no head;
-    `label`: names the layer in the log (a `--width-models` one)."""
+    head's; `moe`: a `--moe-models` layer's, no head; `label`: names the layer in the log (a `--width-models` or
+    `--moe-models` one)."""
     spec = ModelSpec(model_cfg)
     # the attention backend a run picks (train.attention), at the calibration's length: unchunked
     spec.set_layer_compute(LayerCompute(attention=resolve_attention(args.attention, device.type, spec.arch.head_dim,
@@ -461,8 +487,6 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
     measured = [("fwd", forward, other_flops, attention["fwd"]), ("bwd", backward, bwd_flops, attention["bwd"])]
     if not moe:
         measured.append(("head", head, head_flops, 0.0))
-    prefix = "moe_" if moe else ""
-    label = "moe" if moe else label
     for name, fn, n_flops, attn_s in measured:
         what = f"{label + ' ' if label else ''}{mode} {name}"
         seconds = median_s(fn, args, on_device, what)
@@ -470,7 +494,7 @@ def measure_mode(model_cfg: DictConfig, mode: str, args: argparse.Namespace, dev
             raise RuntimeError(f"{what}: the layer took {seconds * 1e3:.3f} ms, its attention alone "
                                f"{attn_s * 1e3:.3f} ms; no time is left for the rest of the layer (a timing this "
                                "noisy cannot calibrate: raise --repeats or the layer's tokens)")
-        key = f"{prefix}{name}_tflops_{mode}"
+        key = f"{name}_tflops_{mode}"
         out[key] = n_flops / (seconds - attn_s) / 1e12
         log(f"{(label + ' ' if label else '') + mode:12} {name:4} {seconds * 1e3:9.2f} ms  {out[key]:8.2f} TFLOP/s "
             f"({n_flops / 1e12:.3f} TFLOP{', attention excluded' if attn_s else ''})")
@@ -488,6 +512,34 @@ def measure_width(name: str, model_cfg: DictConfig, args: argparse.Namespace, de
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return entry
+
+
+def measure_moe_layers(args: argparse.Namespace, device: torch.device, compute_dtype: torch.dtype,
+                       measured: str) -> list[dict]:
+    """Each `--moe-models` layer at each `--moe-micro-batches` size in every mode -> the profile's `moe_layers`: the
+    base profile's entries of other models or token counts, then these (`measured`: when and where). An entry
+    measured again keeps the base entry's figures of the modes not measured now."""
+    base = {(e["model"], e["tokens"]): e for e in args.base_profile.get("moe_layers") or []}
+    entries = []
+    for name, cfg in args.moe_cfgs.items():
+        for micro_batch in args.moe_micro_batch_list:
+            at = argparse.Namespace(**{**vars(args), "micro_batch": micro_batch})
+            tokens = micro_batch * args.seq_len
+            log(f"{name} layer (MoE: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}) at {micro_batch} x "
+                f"{args.seq_len} tokens")
+            label = f"{name} {tokens}"
+            attention = measure_attention(cfg, at, device, compute_dtype, label=label)[0]
+            entry = {**base.get((name, tokens), {}),
+                     "model": name, "hidden": int(cfg.hidden_size), "experts": int(cfg.num_experts),
+                     "experts_per_token": int(cfg.num_experts_per_tok),
+                     "expert_width": int(cfg.moe_intermediate_size), "tokens": tokens}
+            for mode in args.mode_list:
+                entry.update(measure_mode(cfg, mode, at, device, compute_dtype, attention, moe=True, label=label))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            entries.append({**entry, "measured": measured})
+    again = {(e["model"], e["tokens"]) for e in entries}
+    return [e for key, e in base.items() if key not in again] + entries
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -626,52 +678,35 @@ def _rounded(value: float) -> float:
     return float(f"{value:.4g}")
 
 
-def write_profile(args: argparse.Namespace, figures: dict[str, float], not_measured: list[str],
-                  calibration: str) -> None:
-    """The base profile with `figures` replaced or added (figures of `not_measured` are 0), one field per line."""
+def write_profile(args: argparse.Namespace, figures: dict, not_measured: list[str], calibration: str | None,
+                  what: str = "") -> None:
+    """The base profile with `figures` replaced or added (figures of `not_measured` are 0), one field per line;
+    `calibration` None keeps the base's line (a `--moe-only` call: `what` names what it measured)."""
     profile = dict(args.base_profile)
     profile.update({k: _rounded(v) if isinstance(v, float) else v for k, v in figures.items()})
-    for key in ("layer_widths", "attn_points"):
+    for key in ("layer_widths", "attn_points", "moe_layers"):
         if key in figures:
             profile[key] = [{k: _rounded(v) if isinstance(v, float) else v for k, v in entry.items()}
                             for entry in figures[key]]
-    profile["calibration"] = calibration
-    measured = [k for k in figures if k not in not_measured]
-    header = [f"# Written by engine/calibrate.py ({calibration}).",
-              f"# Measured here: {', '.join(measured)}; every other field is copied from {_shown(args.base)}."]
+    if calibration is not None:
+        profile["calibration"] = calibration
+        what = f"({calibration}).\n# Measured here: {', '.join(k for k in figures if k not in not_measured)}"
+    header = [f"# Written by engine/calibrate.py {what}; every other field is copied from {_shown(args.base)}."]
     if not_measured:
         header.append(f"# No CUDA device: {', '.join(not_measured)} were not measured and are written as 0.")
     body = yaml.safe_dump(profile, sort_keys=False, width=2**16)  # the calibration line stays one line
     atomic_write(args.out, lambda f: f.write(("\n".join(header) + "\n" + body).encode()))
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    model_cfg = check_args(parser, args)
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the trainer runs (engine/cli.py)
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    compute_dtype = resolve_compute_dtype("auto", device)
-    log(f"{torch.cuda.get_device_name() if cuda else 'cpu'}: {args.model} layer at {args.micro_batch} x "
-        f"{args.seq_len} tokens in {str(compute_dtype).removeprefix('torch.')}, modes {', '.join(args.mode_list)}, "
-        f"attention {args.attention}; "
-        f"median of {args.repeats} after {args.warmup} warm-up")
+def measure_compute(model_cfg: DictConfig, args: argparse.Namespace, device: torch.device,
+                    compute_dtype: torch.dtype) -> dict:
+    """Part 1 but the MoE layers: attention, the layer and head in every mode, the other widths, and the host
+    memory of the process after them."""
     attention, figures = measure_attention(model_cfg, args, device, compute_dtype)
     for mode in args.mode_list:
         figures.update(measure_mode(model_cfg, mode, args, device, compute_dtype, attention))
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.empty_cache()
-    if args.moe_cfg is not None:
-        log(f"{args.moe_model} layer (the MoE figures) at the same tokens")
-        attention_moe = measure_attention(args.moe_cfg, args, device, compute_dtype, label="moe")[0]
-        for mode in args.mode_list:
-            figures.update(measure_mode(args.moe_cfg, mode, args, device, compute_dtype, attention_moe, moe=True))
-            if cuda:
-                torch.cuda.empty_cache()
-        figures["moe_model"] = args.moe_model
     figures["layer_model"], figures["layer_hidden"] = args.model, int(model_cfg.hidden_size)
     figures["layer_widths"] = [measure_width(name, cfg, args, device, compute_dtype)
                                for name, cfg in args.width_cfgs.items()]
@@ -682,7 +717,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if dropped and not args.width_cfgs:
         log(f"the base profile's {len(dropped)} other layer widths are left out: they were measured beside another "
             "calibration's main layer (--width-models measures them again)")
-
     # what a training process holds on the host before any state: torch, the CUDA context, compiled kernels (the
     # layer's host-side master copies are freed by now) and torch.compile's worker processes, which stay alive
     # beside it; the planner adds it to every plan's host memory
@@ -691,9 +725,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     figures["host_compile_workers_gib"] = workers_gib
     log(f"process host memory after the compute measurements: {figures['host_process_gib']:.2f} GiB "
         f"({workers_gib:.2f} of it in child processes: torch.compile's workers)")
+    return figures
+
+
+def measure_host_and_link(args: argparse.Namespace, device: torch.device) -> tuple[dict, list[str]]:
+    """Parts 2 and 3 -> (figures, the ones not measured: without CUDA, the link's, written as 0)."""
+    figures: dict = {}
     not_measured: list[str] = []
     adam = HostAdam(args.adam_numel)
-    if cuda:
+    if device.type == "cuda":
         with pinned(args.copy_bytes) as host_in, pinned(args.copy_bytes) as host_out:
             bufs = CopyBuffers(host_in, host_out, device)
             figures.update(measure_pcie(bufs, args))
@@ -707,19 +747,50 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         not_measured = [*PCIE_FIGURES, "cpu_adam_gparams_per_s_under_pcie", "bidir_gbps_under_adam"]
         figures.update({k: 0.0 for k in not_measured})
         log(f"no CUDA device: {', '.join(not_measured)} not measured, written as 0")
+    return figures, not_measured
 
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    model_cfg = check_args(parser, args)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the trainer runs (engine/cli.py)
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    compute_dtype = resolve_compute_dtype("auto", device)
     env = run_environment()
-    calibration = (f"{env['date']} git {env['git_sha']} model {args.model} {args.micro_batch}x{args.seq_len} "
-                   f"torch {env['torch']} triton {env['triton']} gpu {env['gpu']} modes {','.join(args.mode_list)} "
-                   f"fused_loss {args.fused_loss} attention {args.attention}"
-                   + (f" moe_model {args.moe_model}" if args.moe_model else "")
-                   + (f" width_models {','.join(args.width_cfgs)}" if args.width_cfgs else ""))
-    if set(args.mode_list) != set(MODES):
+    what = (f"{', '.join(args.moe_cfgs)} MoE layers only" if args.moe_only else
+            f"{args.model} layer at {args.micro_batch} x {args.seq_len} tokens")
+    log(f"{torch.cuda.get_device_name() if cuda else 'cpu'}: {what} in {str(compute_dtype).removeprefix('torch.')}, "
+        f"modes {', '.join(args.mode_list)}, attention {args.attention}; median of {args.repeats} after "
+        f"{args.warmup} warm-up")
+    figures: dict = {} if args.moe_only else measure_compute(model_cfg, args, device, compute_dtype)
+    stamp = f"{env['date']} git {env['git_sha']} torch {env['torch']} triton {env['triton']} gpu {env['gpu']}"
+    if args.moe_cfgs:
+        figures["moe_layers"] = measure_moe_layers(args, device, compute_dtype, stamp)
+    not_measured: list[str] = []
+    if not args.moe_only:
+        link, not_measured = measure_host_and_link(args, device)
+        figures.update(link)
+
+    calibration = None if args.moe_only else (
+        f"{env['date']} git {env['git_sha']} model {args.model} {args.micro_batch}x{args.seq_len} "
+        f"torch {env['torch']} triton {env['triton']} gpu {env['gpu']} modes {','.join(args.mode_list)} "
+        f"fused_loss {args.fused_loss} attention {args.attention}"
+        + (f" moe_models {','.join(args.moe_cfgs)}" if args.moe_cfgs else "")
+        + (f" width_models {','.join(args.width_cfgs)}" if args.width_cfgs else ""))
+    if calibration is not None and set(args.mode_list) != set(MODES):
         calibration += f" (other modes' figures from {args.base.name})"
-    write_profile(args, figures, not_measured, calibration)
+    tokens = ",".join(str(b * args.seq_len) for b in args.moe_micro_batch_list)
+    write_profile(args, figures, not_measured, calibration,
+                  what=f"--moe-only ({stamp}).\n# Measured here: the moe_layers entries of {', '.join(args.moe_cfgs)} "
+                       f"at {tokens} tokens, modes {','.join(args.mode_list)}")
     log(f"wrote {args.out}")
     if args.jsonl is not None:
-        row = {"bench": "calibrate", **figures, "calibration": calibration, **env, "args": arguments}
+        row = {"bench": "calibrate", **figures, "calibration": calibration or f"moe_only {stamp}", **env,
+               "args": arguments}
         with open(args.jsonl, "a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
         log(f"appended a row to {args.jsonl}")

@@ -222,6 +222,27 @@ class LayerWidthFigures(LayerFigures):
 
 
 @dataclass
+class MoeLayerFigures:
+    """One mixture-of-experts model's decoder layer at one micro-batch size: its forward and backward TFLOPS (the
+    layer's FLOPs other than attention's, active experts counted; 0: that mode not measured), as LayerFigures counts
+    a dense layer's. Grouped expert matmuls, gathers and scatters run far below a dense layer's rate, and their rate
+    depends on the expert shapes and on the tokens each expert gets: a run is timed at the entries of its own layer
+    shape (or the nearest measured one), interpolated in log(tokens per micro-batch) (engine/plan/speeds.py).
+    python -m engine.calibrate --moe-models measures them."""
+    model: str = MISSING  # the model of conf/model/ whose layer was measured
+    hidden: int = 0  # its hidden size
+    experts: int = 0  # experts per layer
+    experts_per_token: int = 0  # experts each token is routed to (top-k)
+    expert_width: int = 0  # one expert's MLP width (model.moe_intermediate_size)
+    tokens: int = 0  # tokens per layer call (micro-batch size x sequence length)
+    fwd_tflops_compiled: float = 0.0  # MoE layer forward, compiled
+    bwd_tflops_compiled: float = 0.0  # MoE layer backward (recompute included), compiled
+    fwd_tflops_eager: float = 0.0  # MoE layer forward, eager
+    bwd_tflops_eager: float = 0.0  # MoE layer backward (recompute included), eager
+    measured: str = ""  # when and where: date, git revision, torch / triton, GPU
+
+
+@dataclass
 class AttentionPoint:
     """The attention kernel alone at one more (backend, sequence length), measured as the main attn_* figures
     (python -m engine.calibrate --attn-points). Attention's rate grows with length and differs by backend, and at
@@ -275,13 +296,9 @@ class HardwareConfig(LayerFigures):
     # the plain layer's rates. `python -m bench.bench_lean_layer` prints it per length as `step_ratio`.
     lean_step_ratio_sdpa: float = 0.0  # on cuDNN's attention; 0: not measured, the time model's figures as they are
     lean_step_ratio_triton: float = 0.0  # on the Triton kernel; 0: not measured, likewise
-    # A mixture-of-experts layer's figures (its FLOPs other than attention's, active experts counted), measured on
-    # the layer of moe_model; MoE runs use them in place of the dense layer's, which are far too fast for them.
-    moe_model: str = ""
-    moe_fwd_tflops_compiled: float = 0.0  # MoE layer forward, compiled
-    moe_bwd_tflops_compiled: float = 0.0  # MoE layer backward, compiled
-    moe_fwd_tflops_eager: float = 0.0  # MoE layer forward, eager
-    moe_bwd_tflops_eager: float = 0.0  # MoE layer backward, eager
+    # mixture-of-experts layers' figures by model and micro-batch tokens (see MoeLayerFigures); MoE runs use them in
+    # place of the dense layer's, which are far too fast for them
+    moe_layers: List[MoeLayerFigures] = field(default_factory=list)
     h2d_gbps: float = 0.0  # pinned host->device, alone
     d2h_gbps: float = 0.0  # pinned device->host, alone
     bidir_gbps: float = 0.0  # both directions at once, total
@@ -844,10 +861,10 @@ def _validate_train(cfg: DictConfig) -> None:
 TFLOPS_FIGURES = tuple(f"{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd", "head"))
 TRANSFER_FIGURES = ("h2d_gbps", "d2h_gbps", "bidir_gbps", "cpu_adam_gparams_per_s", "cpu_adam_gparams_per_s_under_pcie")
 ATTENTION_FIGURES = ("attn_fwd_tflops", "attn_bwd_tflops")
-MOE_FIGURES = tuple(f"moe_{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd"))
+MOE_FIGURES = tuple(f"{k}_tflops_{mode}" for mode in ("compiled", "eager") for k in ("fwd", "bwd"))
 HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
                     "profile_host_mem_gib", "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES,
-                    *ATTENTION_FIGURES, *MOE_FIGURES, *TRANSFER_FIGURES, "bidir_gbps_under_adam",
+                    *ATTENTION_FIGURES, *TRANSFER_FIGURES, "bidir_gbps_under_adam",
                     "host_compile_workers_gib", "lean_step_ratio_sdpa", "lean_step_ratio_triton",
                     "cpu_adam_gparams_per_s_in_step")
 # what 0 means for the figures where it is not "unknown"
@@ -880,6 +897,30 @@ def _validate_layer_widths(hw: DictConfig) -> None:
         for k in TFLOPS_FIGURES:
             _real(f"{key}.{k}", width[k], 0, why=" (0: not measured)")
         _layer_figures_together(width, key)
+
+
+def _validate_moe_layers(hw: DictConfig) -> None:
+    seen = {}
+    for i, entry in enumerate(hw.moe_layers):
+        key = f"hardware.moe_layers[{i}]"
+        _name(f"{key}.model", entry.model)
+        for k in ("hidden", "experts", "experts_per_token", "expert_width", "tokens"):
+            _positive(f"{key}.{k}", entry[k])
+        if entry.experts_per_token > entry.experts:
+            raise ConfigError(f"{key}.experts_per_token={entry.experts_per_token} exceeds {key}.experts="
+                              f"{entry.experts}")
+        for k in MOE_FIGURES:
+            _real(f"{key}.{k}", entry[k], 0, why=" (0: not measured)")
+        for mode in ("compiled", "eager"):
+            fwd, bwd = f"fwd_tflops_{mode}", f"bwd_tflops_{mode}"  # the dense layer's figures have the same names
+            if (entry[fwd] > 0) != (entry[bwd] > 0) or (entry[fwd] > 0 and hw[fwd] <= 0):
+                raise ConfigError(f"{key}.{fwd}={entry[fwd]}, {key}.{bwd}={entry[bwd]}, hardware.{fwd}="
+                                  f"{hw[fwd]}: a mode's MoE figures are used together, with the dense figures of "
+                                  "that mode (python -m engine.calibrate --moe-models measures them), or both 0")
+        if (entry.model, entry.tokens) in seen:
+            raise ConfigError(f"{key} ({entry.model} at {entry.tokens} tokens) repeats {seen[entry.model, entry.tokens]}"
+                              "; give each model and micro-batch size once")
+        seen[entry.model, entry.tokens] = key
 
 
 def _validate_attn_points(hw: DictConfig) -> None:
@@ -934,13 +975,7 @@ def _validate_hardware(cfg: DictConfig) -> None:
                               f"{hw.attn_bwd_tflops} without layer figures: they time a layer's attention beside its "
                               "other FLOPs (hardware.fwd_tflops_<mode>, python -m engine.calibrate measures both)")
     _validate_attn_points(hw)
-    for mode in ("compiled", "eager"):
-        fwd, bwd, layer = f"moe_fwd_tflops_{mode}", f"moe_bwd_tflops_{mode}", f"fwd_tflops_{mode}"
-        if (hw[fwd] > 0) != (hw[bwd] > 0) or (hw[fwd] > 0 and (not hw.moe_model or hw[layer] <= 0)):
-            raise ConfigError(f"hardware.{fwd}={hw[fwd]}, hardware.{bwd}={hw[bwd]}, hardware.moe_model="
-                              f"{hw.moe_model!r}, hardware.{layer}={hw[layer]}: a mode's MoE figures are used "
-                              "together, with the model they were measured on and the dense figures of that mode "
-                              "(python -m engine.calibrate --moe-model measures them), or both 0")
+    _validate_moe_layers(hw)
     if any(hw[k] > 0 for k in TFLOPS_FIGURES):
         for key in TRANSFER_FIGURES:
             _real(f"hardware.{key}", hw[key], 0, low_open=True,

@@ -95,7 +95,7 @@ def test_layer_figures_leave_out_the_attention_timed_alone(calibrate, tmp_path, 
     down_64 = 2 * cfg.hidden_size * cfg.intermediate_size * 64  # left out of the recompute (ModelSpec.layer_grads)
     assert figures["bwd_tflops_eager"] == pytest.approx((3 * (layer_64 - attn_64) - down_64) / 0.008 / 1e12, rel=1e-4)
 
-    assert "moe_fwd_tflops_eager" not in figures and "moe_model" not in figures
+    assert "moe_layers" not in figures
 
     seconds["eager fwd"] = 0.0009  # faster than its own attention alone: no figure can come of it
     with pytest.raises(RuntimeError, match="eager fwd: the layer took 0.900 ms, its attention alone 1.000 ms"):
@@ -182,31 +182,79 @@ def test_refuses_an_output_in_a_missing_directory(calibrate, tmp_path, capsys):
 
 
 def test_a_moe_layer_gives_figures_of_its_own(calibrate, tmp_path, monkeypatch):
-    """--moe-model: that model's layer at the same tokens, its attention alone subtracted, no head; the profile
-    names the model and the planner's schema reads it (fixed timings: the layer is built, never run)."""
-    seconds = {"attention fwd (layer shape)": 0.001, "attention bwd (layer shape)": 0.003,
-               "attention fwd (moe layer shape)": 0.002, "attention bwd (moe layer shape)": 0.005,
-               "moe eager fwd": 0.010, "moe eager bwd": 0.035}
+    """--moe-models at --moe-micro-batches: each layer at each size, its attention alone at that shape subtracted,
+    no head, one moe_layers entry each with the layer's shape; the planner's schema reads the profile (fixed
+    timings: the layer is built, never run)."""
+    seconds = {"attention fwd (layer shape)": 0.001, "attention bwd (layer shape)": 0.003}
+    for tokens, scale in ((64, 1), (128, 2)):
+        label = f"qwen3_30b_a3b {tokens}"
+        seconds.update({f"attention fwd ({label} layer shape)": 0.002 * scale,
+                        f"attention bwd ({label} layer shape)": 0.005 * scale,
+                        f"{label} eager fwd": 0.010 * scale, f"{label} eager bwd": 0.035 * scale})
     monkeypatch.setattr(calibrate, "median_s", lambda fn, args, on_device, what: seconds.get(what, 0.01))
     out = tmp_path / "p.yaml"
-    figures = calibrate.main([*TINY, "--moe-model", "qwen3_30b_a3b", "--out", str(out)])
+    figures = calibrate.main([*TINY, "--moe-models", "qwen3_30b_a3b", "--moe-micro-batches", "2,1", "--out", str(out)])
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf/model/qwen3_30b_a3b.yaml"))
     flops = model_flops_per_token(cfg, 64)
     other = (flops["layer_forward_flops_per_token"] - flops["layer_attention_forward_flops_per_token"]) * 64
-    assert figures["moe_fwd_tflops_eager"] == pytest.approx(other / 0.008 / 1e12, rel=1e-4)
     # the backward's recompute leaves out the experts' down projection, as a dense layer's does its own
     skipped = 2 * cfg.num_experts_per_tok * cfg.moe_intermediate_size * cfg.hidden_size * 64
-    assert figures["moe_bwd_tflops_eager"] == pytest.approx((3 * other - skipped) / 0.030 / 1e12, rel=1e-4)
+    entries = figures["moe_layers"]
+    assert [e["tokens"] for e in entries] == [64, 128]
+    for entry, scale in zip(entries, (1, 2)):  # twice the tokens in twice the time: the same rates
+        assert entry["fwd_tflops_eager"] == pytest.approx(other / 0.008 / 1e12, rel=1e-4)
+        assert entry["bwd_tflops_eager"] == pytest.approx((3 * other - skipped) / 0.030 / 1e12, rel=1e-4)
+        assert (entry["model"], entry["hidden"], entry["experts"], entry["experts_per_token"],
+                entry["expert_width"]) == ("qwen3_30b_a3b", 2048, 128, 8, 768)
+        assert "git" in entry["measured"] and "fwd_tflops_compiled" not in entry
     profile = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(out))
-    assert profile.moe_model == "qwen3_30b_a3b" and "moe_model qwen3_30b_a3b" in profile.calibration
-    assert profile.moe_fwd_tflops_compiled == 0.0  # a mode not measured stays the base's
+    assert "moe_models qwen3_30b_a3b" in profile.calibration
+    assert [e.tokens for e in profile.moe_layers] == [64, 128]
+    assert profile.moe_layers[0].fwd_tflops_compiled == 0.0  # a mode not measured is 0
 
 
-@pytest.mark.parametrize("model, named", [("qwen7b", "is a dense model"), ("mixtral", "'mixtral'")])
-def test_refuses_a_moe_model_that_is_not_one(calibrate, tmp_path, capsys, model, named):
+def test_moe_only_measures_the_moe_layers_and_keeps_every_other_field(calibrate, tmp_path, monkeypatch):
+    """--moe-only: the base profile's fields and calibration line stay as they are, its moe_layers entries of
+    other models or token counts are kept and the one measured again is replaced; nothing else is timed."""
+    timed = []
+
+    def median_s(fn, args, on_device, what):
+        timed.append(what)
+        return (0.002 if "fwd" in what else 0.005) if "attention" in what else 0.01
+
+    monkeypatch.setattr(calibrate, "median_s", median_s)
+    monkeypatch.setattr(calibrate, "HostAdam", None)  # the host and link are not measured
+    base_text = (ROOT / "conf/hardware/h100.yaml").read_text()
+    base = tmp_path / "base.yaml"
+    stale = {"model": "qwen3_30b_a3b", "hidden": 2048, "experts": 128, "experts_per_token": 8, "expert_width": 768,
+             "tokens": 64, "fwd_tflops_eager": 1.0, "bwd_tflops_eager": 1.0, "measured": "long ago"}
+    base.write_text(base_text + "- " + "\n  ".join(f"{k}: {v}" for k, v in stale.items()) + "\n")
+    out = tmp_path / "p.yaml"
+    calibrate.main([*TINY, "--moe-only", "--moe-models", "qwen3_30b_a3b", "--base", str(base), "--out", str(out)])
+
+    assert all("qwen3_30b_a3b" in what for what in timed)
+    written, before = (OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(p)) for p in (out, base))
+    assert [(e.model, e.tokens) for e in written.moe_layers] == [("gptoss20b", 8192), ("qwen3_30b_a3b", 64)]
+    assert written.moe_layers[0] == before.moe_layers[0] and written.moe_layers[1].measured != "long ago"
+    assert written.moe_layers[1].fwd_tflops_eager != 1.0
+    calibrate.main([*TINY, "--moe-only", "--moe-models", "qwen3_30b_a3b", "--modes", "compiled", "--base", str(out),
+                    "--out", str(out)])
+    again = OmegaConf.load(out).moe_layers[1]  # a mode not measured again keeps its figures
+    assert again.fwd_tflops_eager == written.moe_layers[1].fwd_tflops_eager and again.fwd_tflops_compiled > 0
+    for key in ("calibration", "fwd_tflops_compiled", "h2d_gbps", "layer_widths", "attn_points", "host_process_gib"):
+        assert written[key] == before[key], key
+    assert "--moe-only" in out.read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--moe-models", "qwen7b"], "is a dense model"), (["--moe-models", "mixtral"], "'mixtral'"),
+    (["--moe-models", "gptoss20b,gptoss20b"], "names gptoss20b twice"),
+    (["--moe-models", "gptoss20b", "--moe-micro-batches", "2,0"], "'0' is not an integer >= 1"),
+    (["--moe-only"], "name at least one")])
+def test_refuses_moe_arguments_that_cannot_work(calibrate, tmp_path, capsys, argv, named):
     with pytest.raises(SystemExit):
-        calibrate.main([*TINY, "--moe-model", model, "--out", str(tmp_path / "p.yaml")])
+        calibrate.main([*TINY, *argv, "--out", str(tmp_path / "p.yaml")])
     assert named in capsys.readouterr().err
 
 

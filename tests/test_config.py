@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from engine import config
-from engine.config import (ATTENTION_FIGURES, MOE_FIGURES, TFLOPS_FIGURES, TRANSFER_FIGURES, Config, ConfigError,
+from engine.config import (ATTENTION_FIGURES, TFLOPS_FIGURES, TRANSFER_FIGURES, Config, ConfigError,
                            check_overrides, validate)
 from engine.metrics import count_params
 from engine.model import ModelSpec
@@ -117,6 +117,15 @@ def schema_keys(section=Config, prefix=""):
             yield from schema_keys(tp, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}"
+
+
+def _moe_layers(hardware="h200", **fields):
+    """Overrides giving the profile one moe_layers entry, `fields` replacing its valid values (with no fields: the
+    same model and tokens twice)."""
+    entry = {"model": "m", "hidden": 8, "experts": 4, "experts_per_token": 2, "expert_width": 8, "tokens": 8,
+             **fields}
+    text = "{" + ",".join(f"{k}:{v}" for k, v in entry.items()) + "}"
+    return f"hardware={hardware} hardware.moe_layers=[{text}" + ("" if fields else f",{text}") + "]"
 
 
 def _figures(key):
@@ -249,14 +258,12 @@ BAD = {
                            "hardware=cpu hardware.attn_fwd_tflops=1 hardware.attn_bwd_tflops=1 "
                            "hardware.attn_seq_len=64 hardware.attn_backend=sdpa"]
        for key in ATTENTION_FIGURES},
-    "hardware.moe_model": ["hardware.moe_model=[a]", "hardware=h200 hardware.moe_fwd_tflops_eager=100 "
-                           "hardware.moe_bwd_tflops_eager=100"],
-    **{f"hardware.{key}": [*_figures(f"hardware.{key}"),
-                           f"hardware=h200 hardware.moe_model=gptoss20b hardware.{key}=100",  # its pair missing
-                           # without the dense figures of the mode (the cpu profile has none)
-                           "hardware=cpu hardware.moe_model=gptoss20b " + " ".join(
-                               f"hardware.moe_{k}_tflops_{key.rsplit('_', 1)[1]}=1" for k in ("fwd", "bwd"))]
-       for key in MOE_FIGURES},
+    "hardware.moe_layers": ["hardware.moe_layers=x", _moe_layers(hidden=0), _moe_layers(experts_per_token=8),
+                            _moe_layers(tokens=-1), _moe_layers(model="''"), _moe_layers(fwd_tflops_eager=-1),
+                            _moe_layers(fwd_tflops_eager=100),  # its pair missing
+                            # without the dense figures of the mode (the cpu profile has none)
+                            _moe_layers(fwd_tflops_eager=1, bwd_tflops_eager=1, hardware="cpu"),
+                            _moe_layers()],
     "hardware.layer_model": ["hardware.layer_model=[a]",
                              "hardware=h100 hardware.layer_model='' hardware.layer_widths=[{model:x,hidden:2048}]"],
     "hardware.layer_hidden": ["hardware.layer_hidden=-1", "hardware.layer_hidden=x",

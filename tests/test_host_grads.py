@@ -70,7 +70,7 @@ def test_gptoss20b_at_64k_tokens_fits_the_h100_with_gradients_on_the_host():
 def test_the_time_model_moves_host_gradients_over_both_links():
     plan, spec, cfg = _plan()
     s = StepShape(spec, cfg, True, StateFormat.of(cfg.train))
-    sp = Speeds(cfg.hardware, True, "triton", spec.moe, spec.arch.hidden, cfg.train.seq_len)
+    sp = Speeds.of_step(cfg.hardware, spec, s, compiled=True)
     on_host, _ = predict_stream(s, sp, plan.placement)
     on_gpu, _ = predict_stream(s, sp, Placement(**{**vars(plan.placement), "host_grad_units": 0}))
     moved_bytes = sum(2 * spec.units[u].layout.numel for u in plan.placement.host_grad_units_range)

@@ -263,6 +263,12 @@ def test_a_low_precision_master_plans_the_fp32_copies_it_is_drawn_in():
     assert not [r for r in exact.rows if "start-up" in r[1]]  # an fp32 master is drawn in place
 
 
+def _moe_entry(model, tokens, fwd, bwd, shape=(2880, 32, 4, 2880)):
+    hidden, experts, top_k, width = shape
+    return (f"{{model:{model},hidden:{hidden},experts:{experts},experts_per_token:{top_k},expert_width:{width},"
+            f"tokens:{tokens},fwd_tflops_compiled:{fwd},bwd_tflops_compiled:{bwd}}}")
+
+
 def test_a_moe_plan_times_its_layers_at_the_moe_figures_or_says_it_has_none():
     """Without MoE figures a MoE plan says its layers are timed at a dense layer's; with them (the same placement)
     its backward is that much longer as the MoE rate is lower, and it names the layer they were measured on."""
@@ -277,13 +283,38 @@ def test_a_moe_plan_times_its_layers_at_the_moe_figures_or_says_it_has_none():
     dense = plan(["experiment=bench_gptoss20b_h200", *fixed])
     h200 = make_cfg(["hardware=h200", "plan=true"]).hardware
     fwd, bwd = h200.fwd_tflops_compiled, h200.bwd_tflops_compiled
-    same, slow = (plan(["experiment=bench_gptoss20b_h200", *fixed, "hardware.moe_model=gptoss20b",
-                        f"hardware.moe_fwd_tflops_compiled={fwd}", f"hardware.moe_bwd_tflops_compiled={bwd / k}"])
-                  for k in (1, 4))
-    assert "MoE layers at the figures of a gptoss20b layer" in same.speeds and note not in same.speeds
+    tokens = 4096  # the recipe: one sequence of 4096 a layer call
+    same, slow = (plan(["experiment=bench_gptoss20b_h200", *fixed,
+                        f"hardware.moe_layers=[{_moe_entry('gptoss20b', tokens, fwd, bwd / k)}]"]) for k in (1, 4))
+    assert f"MoE layers at the figures of gptoss20b's layer at {tokens} tokens a layer call" in same.speeds
+    assert note not in same.speeds and "nearest" not in same.speeds
     assert same.times_s == dense.times_s
     assert slow.times_s["forward_compute"] == dense.times_s["forward_compute"]
     assert slow.times_s["backward"] > 3 * dense.times_s["backward"] * 0.9
+
+
+def test_moe_layers_are_timed_at_their_own_shapes_figures_interpolated_in_tokens():
+    """Of several calibrated MoE layers a run takes its own shape's (not another model's, whatever their order), its
+    tokens a layer call between two measured ones at rates interpolated in log(tokens) and outside them at the
+    nearest one's; a shape never calibrated takes the nearest shape's and the plan says so."""
+    from engine.plan.speeds import MoeShape, moe_rates
+
+    qwen3 = (2048, 128, 8, 768)
+    hw = make_cfg(["hardware=h100", "hardware.moe_layers=[" + ",".join(
+        [_moe_entry("gptoss20b", 8192, 400, 300), _moe_entry("qwen3_30b_a3b", 8192, 200, 100, qwen3),
+         _moe_entry("qwen3_30b_a3b", 32768, 300, 200, qwen3)]) + "]", "plan=true"]).hardware
+    shape = MoeShape(*qwen3)
+    rates, note = moe_rates(hw, "compiled", shape, 16384)
+    assert rates == pytest.approx((250, 150)) and "qwen3_30b_a3b" in note and "between 8192 and 32768" in note
+    assert moe_rates(hw, "compiled", shape, 4096)[0] == (200, 100)
+    rates, note = moe_rates(hw, "compiled", shape, 65536)
+    assert rates == (300, 200) and "at 32768 tokens a layer call (this run: 65536)" in note
+    rates, note = moe_rates(hw, "compiled", MoeShape(2880, 32, 4, 2880), 16384)
+    assert rates == (400, 300) and "nearest" not in note
+    # gpt-oss-120b: gpt-oss-20b's matmul shapes, each expert a quarter of the tokens; nearer than Qwen3's
+    rates, note = moe_rates(hw, "compiled", MoeShape(2880, 128, 4, 2880), 16384)
+    assert rates == (400, 300) and "the nearest calibrated MoE layer to this model's: hidden 2880, 128 experts" in note
+    assert moe_rates(hw, "eager", shape, 16384)[0] is None  # no eager figures: the dense layer's, said so
 
 
 def test_layers_of_another_width_are_timed_at_that_widths_calibrated_rates():

@@ -215,10 +215,11 @@ def formats_that_fit(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, 
             engine = "engine=stream " if cfg.engine.name != "stream" else ""
             g = plan.placement.recompute_group
             groups = f" engine.recompute_group={g}" if g > 1 else ""
-            unmeasured = "" if fmt.grad in AUTO_GRAD_DTYPES else \
-                " (int8 gradients: their training quality is not yet measured on a GPU, so auto never takes them)"
+            below_bar = "" if fmt.grad in AUTO_GRAD_DTYPES else \
+                (" (int8 gradients train worse than bf16 ones on real text, outside the quality bar: "
+                 "bench/results/formats-quality.md; auto never takes them)")
             found.append(f"model={cfg.model.name}: fits with {engine}{fmt.overrides()}{groups}: "
-                         f"host {plan.total('host') / GIB:.1f} GiB, GPU {plan.total('gpu') / GIB:.1f} GiB{unmeasured}")
+                         f"host {plan.total('host') / GIB:.1f} GiB, GPU {plan.total('gpu') / GIB:.1f} GiB{below_bar}")
             if len(found) == limit:
                 break
     return found

@@ -30,7 +30,7 @@ def reference_plan(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, fm
     plan.add(tier, "working activations (one layer, or the loss chunk)",
              s.act * (1 if t.activation_checkpointing else s.L))
     add_process_row(plan, process_host_bytes(hw, s.compile_workers), s.compile_workers)
-    sp = Speeds(hw, ex.compiled, s.attention, spec.moe, spec.arch.hidden, s.seq_len, s.lean)
+    sp = Speeds.of_step(hw, spec, s, ex.compiled)
     if on_gpu and sp.known:
         recompute = 1 if t.activation_checkpointing else 0
         plan.times_s = {"forward": s.L * sp.layer_fwd_s(s), "head": s.head_flops / sp.head,

@@ -4,10 +4,38 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
 
 if TYPE_CHECKING:
     from engine.plan.shape import StepShape
+
+
+class MoeShape(NamedTuple):
+    """What a mixture-of-experts layer's rate depends on besides its tokens: the expert matmuls' two dimensions and
+    the share of the tokens each expert gets."""
+    hidden: int
+    experts: int
+    experts_per_token: int
+    expert_width: int
+
+    @classmethod
+    def of(cls, spec) -> Optional["MoeShape"]:
+        """The shape of a ModelSpec's MoE layers; None for a dense model."""
+        if not spec.moe:
+            return None
+        a = spec.arch
+        return cls(a.hidden, a.experts, a.top_k, a.expert_intermediate)
+
+    def distance(self, other: "MoeShape") -> float:
+        """How far apart two shapes are: log ratios of the hidden size, the expert width and the tokens' share per
+        expert, summed (0: the same shape)."""
+        share = (self.experts_per_token / self.experts) / (other.experts_per_token / other.experts)
+        return (abs(math.log(self.hidden / other.hidden)) + abs(math.log(self.expert_width / other.expert_width))
+                + abs(math.log(share)))
+
+    def describe(self) -> str:
+        return (f"hidden {self.hidden}, {self.experts} experts, top-{self.experts_per_token}, expert width "
+                f"{self.expert_width}")
 
 
 class Speeds:
@@ -19,13 +47,14 @@ class Speeds:
     calibration's length (qwen7b's attention is 5% of its FLOPs at 4K tokens per sequence, a third at 32K, 88% at
     512K; one rate fitted at 4K made the 32K step 17% short on an H200). `attention`: the run's backend, named in
     `describe` when it is not the one the attention figures were measured with; `seq_len`: the run's tokens per
-    sequence, where the figures of that backend are read (`attention_rates`; 0: the main figures). `moe`: the
-    model's layers are MoE layers, timed with the profile's MoE figures where it has them. `lean`: the layers run
+    sequence, where the figures of that backend are read (`attention_rates`; 0: the main figures). `moe`: the shape
+    of the model's MoE layers (None: a dense model), timed with the profile's MoE figures where it has them, at
+    `mb_tokens` tokens per layer call (`moe_rates`). `lean`: the layers run
     lean (engine/model/lean.py), at `hardware.lean_step_ratio_<attention>` times these figures' time (measured on a
     dense layer; MoE layers are assumed to pay the same)."""
 
-    def __init__(self, hw, compiled: bool, attention: str = "", moe: bool = False, hidden: int = 0,
-                 seq_len: int = 0, lean: bool = False):
+    def __init__(self, hw, compiled: bool, attention: str = "", moe: Optional[MoeShape] = None, hidden: int = 0,
+                 seq_len: int = 0, lean: bool = False, mb_tokens: int = 0):
         mode = "compiled" if compiled else "eager"
         self.mode = mode
         # the lean layer's steps run this much longer than their FLOPs at the rates below (1: not measured)
@@ -33,9 +62,11 @@ class Speeds:
         rates, self.width_note = width_rates(hw, mode, hidden)
         self.fwd, self.bwd, self.head = (r * 1e12 for r in rates)
         # a MoE model's layers at the figures of a measured MoE layer where the profile has them
-        self.moe, self.moe_calibrated = moe, moe and hw[f"moe_fwd_tflops_{mode}"] > 0
-        if self.moe_calibrated:
-            self.fwd, self.bwd = (hw[f"moe_{k}_tflops_{mode}"] * 1e12 for k in ("fwd", "bwd"))
+        self.moe_note = ""
+        if moe is not None:
+            moe_tflops, self.moe_note = moe_rates(hw, mode, moe, mb_tokens)
+            if moe_tflops is not None:
+                self.fwd, self.bwd = (r * 1e12 for r in moe_tflops)
         self.attn_calibrated = min(hw.attn_fwd_tflops, hw.attn_bwd_tflops) > 0
         # without attention figures the layer rates time the attention too
         self.attn_fwd, self.attn_bwd = self.fwd, self.bwd
@@ -53,6 +84,12 @@ class Speeds:
         self.adam_pcie = (hw.cpu_adam_gparams_per_s_in_step or hw.cpu_adam_gparams_per_s_under_pcie) * 1e9
         self.nvme = hw.nvme_gbps * 1e9  # 0: unknown, the tier's I/O is not timed
         self.known = min(self.fwd, self.bwd, self.head) > 0
+
+    @classmethod
+    def of_step(cls, hw, spec, s: "StepShape", compiled: bool) -> "Speeds":
+        """The speeds of a planned step: its model's width and MoE shape, its attention backend, tokens per sequence
+        and per layer call, and whether its layers run lean."""
+        return cls(hw, compiled, s.attention, MoeShape.of(spec), spec.arch.hidden, s.seq_len, s.lean, s.mb_tokens)
 
     def layer_fwd_s(self, s: "StepShape", forwards: int = 1) -> float:
         """Seconds of `forwards` forwards of one layer over the step's tokens, run without autograd."""
@@ -79,12 +116,37 @@ class Speeds:
             line += f"; the lean layer at {self.lean_ratio:.3g}x that (hardware.lean_step_ratio_*)"
         if hw.cpu_adam_gparams_per_s_in_step > 0:
             line += f"; the host AdamW at its in-step rate, {hw.cpu_adam_gparams_per_s_in_step:.3g} G parameters/s"
-        if self.moe_calibrated:
-            line += f"; MoE layers at the figures of a {hw.moe_model} layer"
-        elif self.moe:  # the grouped expert matmuls and their gather / scatter run well below a dense layer's rate
-            line += ("; MoE layers are timed at a dense layer's figures (the profile has no MoE figures: "
-                     "python -m engine.calibrate --moe-model): expect a longer step, the backward most")
+        if self.moe_note:
+            line += f"; {self.moe_note}"
         return line
+
+
+def moe_rates(hw, mode: str, shape: MoeShape, mb_tokens: int) -> Tuple[Optional[Tuple[float, float]], str]:
+    """((fwd, bwd) TFLOPS, how they were found) for MoE layers of `shape` at `mb_tokens` tokens per layer call, from
+    the profile's `moe_layers` measured in `mode`: the entries of the run's own layer shape, or else of the nearest
+    measured one (`MoeShape.distance`), interpolated linearly in log(tokens) between the two nearest token counts,
+    the nearest one's outside them. (None, why) when the profile has no MoE figures for `mode`: the layers are then
+    timed at the dense layer's figures, far too fast for their grouped matmuls, gathers and scatters."""
+    entries = [e for e in hw.moe_layers if e[f"fwd_tflops_{mode}"] > 0]
+    if not entries:
+        return None, (f"MoE layers are timed at a dense layer's figures (the profile has no {mode} MoE figures: "
+                      "python -m engine.calibrate --moe-models): expect a longer step, the backward most")
+
+    def shape_of(e) -> MoeShape:
+        return MoeShape(e.hidden, e.experts, e.experts_per_token, e.expert_width)
+
+    nearest = min(entries, key=lambda e: (shape.distance(shape_of(e)), e.model))
+    points = sorted((e.tokens, (float(e[f"fwd_tflops_{mode}"]), float(e[f"bwd_tflops_{mode}"])))
+                    for e in entries if shape_of(e) == shape_of(nearest))
+    rates, lo, hi = _on_log_axis(points, mb_tokens)
+    note = f"MoE layers at the figures of {nearest.model}'s layer"
+    if shape_of(nearest) != shape:
+        note += f" (the nearest calibrated MoE layer to this model's: {shape.describe()})"
+    if lo is not hi:
+        note += f", interpolated for {mb_tokens} tokens a layer call between {lo[0]} and {hi[0]}"
+    else:
+        note += f" at {lo[0]} tokens a layer call" + ("" if lo[0] == mb_tokens else f" (this run: {mb_tokens})")
+    return rates, note
 
 
 def attention_rates(hw, backend: str, seq_len: int) -> Tuple[Tuple[float, float], str]:

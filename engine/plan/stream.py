@@ -120,7 +120,7 @@ class StreamPlanner:
         self.nvme_gib = self.hw.nvme_gib if self.hw.nvme_dir else 0.0
         self.gpu_gib, self.host_gib, self.on_gpu, self.state_ranks = gpu_gib, host_gib, ex.on_gpu, state_ranks
         s = self.s = StepShape(spec, cfg, ex.on_gpu, fmt, state_ranks, execution=ex)
-        self.sp = Speeds(self.hw, ex.compiled, s.attention, spec.moe, spec.arch.hidden, s.seq_len, s.lean)
+        self.sp = Speeds.of_step(self.hw, spec, s, ex.compiled)
         self.timer = StepTimer(s, self.sp) if self.sp.known else None  # times every placement the search tries
         layouts, L = self.layouts, self.L = s.layouts, s.L
         self.n_units = len(layouts)
