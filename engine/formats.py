@@ -69,13 +69,17 @@ class StateFormat:
         """fp32 everywhere: the update equals torch.optim.AdamW on an fp32 model, and the host AdamW can run it."""
         return self.master == self.moments == self.grad == "fp32"
 
+    def n_blocks(self, numel: int) -> int:
+        """Blocks of `block_size` elements covering `numel` (the last one partial): int8 codes' fp32 scales, one each."""
+        return -(-numel // self.block_size)
+
     def master_bytes(self, numel: int) -> int:
         return BYTES[self.master] * numel
 
     def moments_bytes(self, numel: int) -> int:
         """m and v of `numel` parameters, with their per-block scales for int8."""
         if self.moments == "int8":
-            return 2 * numel + 2 * SCALE_BYTES * -(-numel // self.block_size)
+            return 2 * numel + 2 * SCALE_BYTES * self.n_blocks(numel)
         return 2 * BYTES[self.moments] * numel
 
     def state_bytes(self, numel: int) -> int:
@@ -85,7 +89,7 @@ class StateFormat:
 
     def grad_bytes(self, numel: int) -> int:
         """A held gradient of `numel` parameters, with its per-block scales for int8."""
-        return BYTES[self.grad] * numel + (SCALE_BYTES * -(-numel // self.block_size) if self.grad == "int8" else 0)
+        return BYTES[self.grad] * numel + (SCALE_BYTES * self.n_blocks(numel) if self.grad == "int8" else 0)
 
     def update_hbm_bytes(self, numel: int) -> int:
         """HBM traffic of one update of `numel` parameters: read and write master and moments, read the gradient;

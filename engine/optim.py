@@ -135,7 +135,7 @@ def state_shapes(fmt, numel: int) -> Dict[str, Tuple[int, torch.dtype]]:
     "m_scales" / "v_scales" (one per block of `fmt.block_size` elements of the flat unit)."""
     out = {"master": (numel, STATE_DTYPES[fmt.master])}
     if fmt.moments == "int8":
-        n_blocks = -(-numel // fmt.block_size)
+        n_blocks = fmt.n_blocks(numel)
         out.update(m=(numel, torch.int8), v=(numel, torch.uint8), m_scales=(n_blocks, torch.float32),
                    v_scales=(n_blocks, torch.float32))
     else:

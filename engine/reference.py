@@ -75,7 +75,7 @@ class ReferenceEngine:
             self.grad_held = self.grad_flat if held_dtype is None else \
                 [torch.zeros_like(f, dtype=held_dtype) for f in self.flat]
             # int8 gradients: each unit's per-block scales beside its codes
-            self.grad_scales = [torch.zeros(-(-f.numel() // self.fmt.block_size), dtype=torch.float32, device=device)
+            self.grad_scales = [torch.zeros(self.fmt.n_blocks(f.numel()), dtype=torch.float32, device=device)
                                 for f in self.flat] if self.fmt.grad == "int8" else None
         self.tables: Optional[Positions] = None
         self.skipped_steps = 0

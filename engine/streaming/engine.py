@@ -271,7 +271,8 @@ class StreamEngine:
         self.held: Dict[int, GradAccumulator] = {}
         if self.holds_grads:
             held_dtype = torch.bfloat16 if self.fmt.grad == "bf16" else torch.int8
-            self.held = {u: GradAccumulator(self.dev, layouts[u], fused, held_dtype, block_size=self.fmt.block_size,
+            self.held = {u: GradAccumulator(self.dev, layouts[u], fused, held_dtype,
+                                            scale_blocks=self.fmt.n_blocks(layouts[u].numel),
                                             home=self.store.grads[u] if u in self.host_held else None)
                          for u in range(n_units) if self.owns(u)}
         shared_layer_accs = not self.grads_on_gpu or self.holds_grads

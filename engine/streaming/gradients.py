@@ -56,15 +56,16 @@ def transfer_seed(run_seed: int, unit: int, step: int) -> int:
 
 class GradAccumulator:
     def __init__(self, dev: Device, layout, fused: bool, dtype: torch.dtype = torch.float32, wire: bool = False,
-                 home: Optional[torch.Tensor] = None, block_size: int = 0):
+                 home: Optional[torch.Tensor] = None, scale_blocks: int = 0):
         """`dtype` bf16 or int8: not an accumulator but a held gradient (a stochastically rounded copy of one,
-        written by the engine), with the same lending protocol; int8 codes come with `scales`, fp32, one per
-        `block_size` elements (streamtrain_kernels/grad_quant.py), and have no per-tensor `views`. `home`: a bf16
-        held gradient in this (pinned host) buffer instead of device memory, written over D2H. `wire`: the gradient
-        goes to the host as bf16 (a copy of 2 B/element beside the accumulator, written by `to_wire`)."""
+        written by the engine), with the same lending protocol; int8 codes come with `scales`, `scale_blocks` fp32
+        ones (one per block of the format's elements: streamtrain_kernels/grad_quant.py), and have no per-tensor
+        `views`. `home`: a bf16 held gradient in this (pinned host) buffer instead of device memory, written over
+        D2H. `wire`: the gradient goes to the host as bf16 (a copy of 2 B/element beside the accumulator, written by
+        `to_wire`)."""
         self.dev, self.layout, self.fused = dev, layout, fused
         self.flat = home if home is not None else torch.zeros(layout.numel, dtype=dtype, device=dev.device)
-        self.scales = torch.zeros(-(-layout.numel // block_size), dtype=torch.float32, device=dev.device) \
+        self.scales = torch.zeros(scale_blocks, dtype=torch.float32, device=dev.device) \
             if dtype == torch.int8 else None
         self.views = layout.views(self.flat) if self.scales is None else {}
         self.wire = torch.empty(layout.numel, dtype=torch.bfloat16, device=dev.device) if wire else None
