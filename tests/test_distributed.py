@@ -156,6 +156,45 @@ def test_each_rank_holds_the_bf16_gradients_of_its_own_units(tmp_path):
         assert 0 < ranks[0][kind] < whole[kind] and ranks[0][kind] + ranks[1][kind] == whole[kind], kind
 
 
+@pytest.mark.parametrize("grad_dtype, placement", [
+    # the embedding GPU-resident (replicated), layers 1 and 3 on rank 0, layer 2 and the head on rank 1, whose
+    # head's held gradient waits on the host
+    ("bf16", ["engine.gpu_resident_units=1", "engine.host_grad_units=1"]),
+    ("int8", ["engine.gpu_resident_units=1"]),  # 1 B a parameter and an fp32 scale per block of each unit
+])
+def test_the_plan_counts_the_held_gradients_of_each_rank(grad_dtype, placement, tmp_path):
+    """With sharded state each rank holds the held gradients of the units it updates (the GPU-resident ones and its
+    own), and the plan each rank makes (state_ranks=2) counts those of the rank holding the most: its GPU gradient
+    rows are what that rank's engine allocates, byte for byte, and so are its rows of the held bf16 gradients on
+    the host and of their wire copies."""
+    from engine.distributed import DataParallel, local_config
+    from engine.model import ModelSpec
+    from engine.plan import build_plan
+    from tests.util import make_cfg
+
+    common = ["engine=stream", "train.steps=1", "train.val_every=-1", "train.checkpoint_at_end=false",
+              "train.master_dtype=bf16", "train.moments_dtype=int8", f"train.grad_dtype={grad_dtype}", *placement]
+    run = tmp_path / "two"
+    torchrun(run, *common)
+    ranks = [json.loads(p.read_text())["memory_bytes"] for p in (run / "summary.json", run / "rank1" / "summary.json")]
+    assert ranks[0]["device_held_grads"] != ranks[1]["device_held_grads"]  # the ranks hold different units
+
+    cfg = make_cfg([*RECIPE, *common])
+    local = local_config(cfg, DataParallel(world=2, local_world=2))  # the trainer's plan of each rank
+    plan = build_plan(ModelSpec(cfg.model), local, 0.0, 64.0, on_gpu=False, state_ranks=2)
+
+    def row(text: str) -> int:
+        return sum(b for _, item, b in plan.rows if text in item)
+
+    assert row("accumulators") + row(f"{grad_dtype} gradients held") == max(
+        r["device_grad_accumulators"] + r["device_held_grads"] for r in ranks)
+    assert row(f"{grad_dtype} gradients held") == max(r["device_held_grads"] for r in ranks)
+    assert row("GPU-streamed units until their update") == max(r.get("host_grads", 0) for r in ranks)
+    assert row("copies of those gradients for the D2H") == max(r["device_grad_transfer"] for r in ranks)
+    if grad_dtype == "bf16":
+        assert row("GPU-streamed units until their update") > 0
+
+
 FAILING_SAVE = """
 import os, runpy, sys
 sys.path.insert(0, {root!r})

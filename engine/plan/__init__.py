@@ -33,6 +33,14 @@ With -1 the planner moves layers there, last first, only as far as the host need
 `nvme_gib`; the exact fp32 formats only (they are the ones with host-updated units). Time: each such unit's update
 takes the longer of its AdamW and reading + writing its moments at `hardware.nvme_gbps`.
 
+Data parallel (`state_ranks` > 1: the stream engine's state sharded over the ranks, engine/distributed.py). Every
+rank makes the same plan, for its share of the micro-batches and of the host, and each row is that of the rank
+holding the most of it: the host rows count the master and moments (and fp32 gradients) of the rank with the most
+host state; held bf16 or int8 gradients are read only by the rank that updates the unit, so each rank holds those of
+the GPU-resident units (updated on every rank) and of its own GPU-streamed units, on the GPU or (the last
+`host_grad_units`, bf16) on the host. fp32 accumulators do not shrink with the ranks: every rank accumulates every
+unit's gradient before the sum over ranks. With `engine.shard_state=false` every rank holds everything, as one.
+
 Recompute groups (`engine.recompute_group` = g). At long context the kept layer inputs (4 B x hidden per token
 per layer) outgrow both tiers: qwen7b at 512K tokens keeps 7 GiB per layer, 196 GiB in all. With g > 1 only the
 inputs with index i % g == 0 (0-based) of the n recomputed layers are kept, one per group of g consecutive layers;

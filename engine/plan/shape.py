@@ -4,8 +4,9 @@ model both read them."""
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Optional
+from typing import Dict, List, Optional
 
+from engine.distributed import state_owners
 from engine.execution import Execution
 from engine.formats import StateFormat
 from engine.metrics import model_flops_per_token
@@ -41,6 +42,10 @@ class StepShape:
         self._numel_upto = list(accumulate(self.numels, initial=0))
         self._slot_upto = list(accumulate((self.slot_bytes(lay) for lay in self.layouts), initial=0))
         self._state_upto = list(accumulate((fmt.state_bytes(n) for n in self.numels), initial=0))
+        # held gradients unit by unit, as the engine allocates them (an int8 copy's scales are per unit's blocks)
+        self._grad_upto = list(accumulate((fmt.grad_bytes(n) for n in self.numels), initial=0))
+        self._owners: Dict[int, Dict[int, int]] = {}  # GPU-resident units -> the host-state units' owners
+        self._owned_grad_upto: Dict[int, List[List[int]]] = {}  # the same -> per rank, `_grad_upto` of its own units
         fused = ex.fused_loss
         self.compiled, self.compile_workers = ex.compiled, ex.compile_workers
         self.mlp_chunk_tokens, self.attention, self.lean = ex.mlp_chunk_tokens, ex.attention, ex.lean
@@ -82,14 +87,54 @@ class StepShape:
         """The slots of their own that the GPU-resident layers take when weights are not cached."""
         return self._slot_upto[max(1, min(n_res, self.L + 1))] - self._slot_upto[1]
 
-    def own_accumulator_bytes(self, n_gpu_updated: int) -> int:
-        """The gradients of their own that the GPU-updated layers hold on the GPU when gradients go to the host (fp32:
-        the accumulator itself; bf16: the rounded copy, the accumulator being one of the shared ones, and the
-        embedding's and head's rounded copies too)."""
-        numel = self._numel_upto[max(1, min(n_gpu_updated, self.L + 1))] - self._numel_upto[1]  # layers 1.. of them
+    def own_accumulator_bytes(self, n_res: int, n_gpu_updated: int) -> int:
+        """The gradients of their own that the first `n_gpu_updated` units hold on the GPU when gradients go to the
+        host, on the rank holding the most: fp32, each GPU-updated layer's accumulator, on every rank (each rank
+        accumulates every unit's gradient before the sum over ranks); bf16 or int8, the held copies
+        (`held_copy_bytes`), the accumulators being the shared ones."""
         if self.fmt.grad != "fp32":
-            numel += sum(self.numels[u] for u in (0, self.L + 1) if u < n_gpu_updated)
-        return self.fmt.grad_bytes(numel)
+            return self.held_copy_bytes(n_res, n_gpu_updated)
+        return self.fmt.grad_bytes(self._numel_upto[max(1, min(n_gpu_updated, self.L + 1))] - self._numel_upto[1])
+
+    def owners(self, n_res: int) -> Dict[int, int]:
+        """The host-state units' owners with `n_res` GPU-resident units (engine/distributed.py, `state_owners`);
+        empty on one rank."""
+        if self.state_ranks <= 1:
+            return {}
+        if n_res not in self._owners:
+            self._owners[n_res] = state_owners(self.spec, n_res, self.state_ranks)
+        return self._owners[n_res]
+
+    def _rank_grad_upto(self, n_res: int) -> List[List[int]]:
+        """Per rank, the held-gradient bytes of the units before each index that the rank updates: the GPU-resident
+        ones (every rank updates them) and its own host-state units."""
+        if n_res not in self._owned_grad_upto:
+            owner = self.owners(n_res)
+            self._owned_grad_upto[n_res] = [
+                list(accumulate((self._grad_upto[u + 1] - self._grad_upto[u] if owner.get(u, rank) == rank else 0
+                                 for u in range(len(self.numels))), initial=0))
+                for rank in range(self.state_ranks)]
+        return self._owned_grad_upto[n_res]
+
+    def _held_bytes(self, n_res: int, units: range) -> int:
+        """The held gradients of `units` that one rank keeps, of the rank keeping the most: only the rank that updates
+        a unit reads its held copy, so with sharded state each rank keeps its own units' and the GPU-resident ones'."""
+        if not units:
+            return 0
+        if self.state_ranks <= 1:
+            return self._grad_upto[units.stop] - self._grad_upto[units.start]
+        return max(upto[units.stop] - upto[units.start] for upto in self._rank_grad_upto(n_res))
+
+    def held_copy_bytes(self, n_res: int, n_gpu_updated: int, n_host_grads: int = 0) -> int:
+        """The held bf16 or int8 gradient copies on the GPU (every unit's is held until the norm is known), of the
+        rank holding the most: those of the first `n_gpu_updated` units that the rank updates, less the last
+        `n_host_grads` GPU-streamed units', which wait on the host (`host_held_grad_bytes`)."""
+        return self._held_bytes(n_res, range(0, n_gpu_updated - n_host_grads))
+
+    def host_held_grad_bytes(self, n_res: int, n_gpu_updated: int, n_host_grads: int) -> int:
+        """The held bf16 gradients of the last `n_host_grads` GPU-streamed units that wait in host memory, of the
+        rank holding the most of them."""
+        return self._held_bytes(n_res, self.host_grad_units(n_res, n_gpu_updated - n_res, n_host_grads))
 
     def transfer_bytes(self, numel: int) -> int:
         """A host-updated unit's gradient over D2H and in host memory: fp32, or bf16 with bf16 transfer."""
@@ -109,25 +154,31 @@ class StepShape:
         """The streamed units whose held bf16 gradients wait on the host: the last `n_host_grads`."""
         return range(n_res + n_str - n_host_grads, n_res + n_str)
 
-    def held_grad_bytes(self, units: range) -> int:
-        """The held gradients of `units` in the format's gradient dtype."""
-        return self.fmt.grad_bytes(self._numel_upto[units.stop] - self._numel_upto[units.start]) if units else 0
+    def host_grad_wire_bytes(self, n_res: int, units: range) -> int:
+        """The bf16 copies on the GPU that the D2H of `units`' held gradients reads, on the rank holding the most: the
+        embedding's and the head's accumulators when they are among the rank's units, the shared pair of layer
+        accumulators when a decoder layer is."""
+        owner = self.owners(n_res)
 
-    def host_grad_wire_bytes(self, units: range) -> int:
-        """The bf16 copies on the GPU that the D2H of `units`' held gradients reads: the embedding's and the head's
-        accumulators when they are among them, the shared pair of layer accumulators when a layer is."""
-        numel = sum(self.numels[u] for u in (0, self.L + 1) if u in units)
-        if units and units.start <= self.L and units.stop > 1:  # a decoder layer among them
-            numel += min(2, self.L) * self.layer_numel
-        return 2 * numel
+        def wired(rank: int) -> int:
+            mine = [u for u in units if owner.get(u, rank) == rank]
+            numel = sum(self.numels[u] for u in (0, self.L + 1) if u in mine)
+            if any(0 < u <= self.L for u in mine):
+                numel += min(2, self.L) * self.layer_numel
+            return 2 * numel
+
+        return max(wired(rank) for rank in range(max(1, self.state_ranks)))
 
     def host_grads_gpu_saving(self, n_res: int, n_str: int, n_host_grads: int) -> int:
         """GPU bytes freed by holding the last `n_host_grads` streamed units' bf16 gradients on the host: the
-        gradients, less the wire copies their D2H reads and the staging buffers' growth."""
+        gradients, less the wire copies their D2H reads and the staging buffers' growth (of the rank holding the most
+        of each)."""
         if not n_host_grads:
             return 0
+        n_gpu = n_res + n_str
         units = self.host_grad_units(n_res, n_str, n_host_grads)
-        return (self.held_grad_bytes(units) - self.host_grad_wire_bytes(units)
+        return (self.held_copy_bytes(n_res, n_gpu) - self.held_copy_bytes(n_res, n_gpu, n_host_grads)
+                - self.host_grad_wire_bytes(n_res, units)
                 - self.staging_bytes(n_res, n_str, n_host_grads) + self.staging_bytes(n_res, n_str))
 
     def host_grads_freeing(self, n_res: int, n_str: int, short_bytes: float) -> int:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
-from engine.distributed import state_owners
 from engine.execution import Execution
 from engine.formats import StateFormat
 from engine.model.lean import kept_attention_bytes_per_token
@@ -33,10 +32,11 @@ def _take(extra_gpu_bytes: float, forced: str, free: float) -> Tuple[bool, float
     return on, free - extra_gpu_bytes if on else free
 
 
-def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
-                nbytes: Dict[str, float]) -> Tuple[List[Candidate], Placement]:
+def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool, nbytes: Dict[str, float],
+                gpu_grad_bytes: Callable[[int], int]) -> Tuple[List[Candidate], Placement]:
     """(every split that fits with `n_kept` kept graphs and recompute groups of `g`, the forced placement of the
-    first split). HBM left after the fixed working set is spent in the package docstring's order."""
+    first split). HBM left after the fixed working set is spent in the package docstring's order. `gpu_grad_bytes`:
+    the gradients on the GPU with their tier there, by GPU-resident units (`StreamPlanner.gpu_grad_bytes`)."""
     host_free = nbytes["host_free"]
     # a recompute group's inputs wait where the activations live: the whole group on the GPU, or all but its kept
     # input on the host, with one input fetched ahead on the GPU
@@ -44,19 +44,19 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
     if not acts_on_gpu:
         host_free -= nbytes["activation"] + nbytes["regenerated_host"]
         free -= nbytes["fetched"]
-    # the host cannot hold them (or the config says gpu): they outrank everything below
-    grads_first = nbytes["grad"] > host_free or e.grads_tier == "gpu"
-    grads_on_gpu = False
-    if grads_first:
-        grads_on_gpu, free = _take(nbytes["grad"] - nbytes["side_grad"], e.grads_tier, free)
+    # the host cannot hold them (or the config says gpu): they outrank everything below (with sharded state what
+    # a rank holds on the GPU depends on the split, so they are taken split by split, from the same free bytes)
+    grads_first = nbytes["grad_host"] > host_free or e.grads_tier == "gpu"
     base = Placement(n_units=len(s.layouts), slots=min(e.slots, s.L), keep_activation_layers=n_kept,
                      recompute_group=g, activation_tier="gpu" if acts_on_gpu else "host",
-                     grads_tier="gpu" if grads_on_gpu else "host", cache_weights=e.cache_weights == "on")
+                     cache_weights=e.cache_weights == "on")
 
     def complete(n_res: int, n_str: int, force: bool = False) -> Optional[Candidate]:
         """The placement with this split and the rest of HBM spent (weights cached, gradients), or None when the
         split does not fit (unless `force`: the config fixed it, or nothing fits and the plan will say so)."""
-        left = free - _split_bytes(s, n_res, n_str, grads_on_gpu, base.cache_weights)
+        grads_on_gpu, left = _take(gpu_grad_bytes(n_res) - nbytes["side_grad"], e.grads_tier, free) \
+            if grads_first else (False, free)
+        left -= _split_bytes(s, n_res, n_str, grads_on_gpu, base.cache_weights)
         n_host_grads = 0
         if s.fmt.grad == "bf16" and not grads_on_gpu and n_str:  # held bf16 gradients may wait on the host
             n_host_grads = min(e.host_grad_units, n_str) if e.host_grad_units >= 0 else (
@@ -68,10 +68,10 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
         if not cached:
             cached, left = _take(nbytes["cache"] - nbytes["ring"] - s.own_slot_bytes(n_res),
                                  "host" if e.cache_weights == "off" else "auto", left)
-        grads_tier = base.grads_tier
+        grads_tier = "gpu" if grads_on_gpu else "host"
         if not grads_first and not n_host_grads:  # held gradients sent to the host keep the gradients' tier there
-            on, left = _take(nbytes["grad"] - nbytes["side_grad"] - s.own_accumulator_bytes(n_res + n_str),
-                             e.grads_tier, left)
+            on, left = _take(gpu_grad_bytes(n_res) - nbytes["side_grad"]
+                             - s.own_accumulator_bytes(n_res, n_res + n_str), e.grads_tier, left)
             grads_tier = "gpu" if on else "host"
         return replace(base, cache_weights=cached, grads_tier=grads_tier, gpu_resident_units=n_res,
                        gpu_streamed_units=n_str, host_grad_units=n_host_grads), left
@@ -85,7 +85,7 @@ def _split_bytes(s: StepShape, n_res: int, n_str: int, grads_on_gpu: bool, cache
     slots and accumulators), streamed staging (+ the streamed layers' accumulators)."""
     nbytes = s.resident_state_bytes(n_res) + s.staging_bytes(n_res, n_str)
     if not grads_on_gpu:
-        nbytes += s.own_accumulator_bytes(n_res + n_str)
+        nbytes += s.own_accumulator_bytes(n_res, n_res + n_str)
     if not cached:
         nbytes += s.own_slot_bytes(n_res)
     return nbytes
@@ -127,14 +127,17 @@ class StreamPlanner:
         self.compute_tier = "gpu" if ex.on_gpu else "host"
         self.ring_bytes = min(self.e.slots, L) * (s.compute_bytes * s.layer_cast + 4 * (s.layer_numel - s.layer_cast))
         self.side_grad_bytes = 4 * (layouts[0].numel + layouts[-1].numel + min(2, L) * s.layer_numel)
-        # held gradients of every unit on the GPU: fp32 ones are the accumulators themselves; bf16 ones are rounded
-        # copies, the shared accumulators (side_grad_bytes) staying as the working set
-        self.grad_bytes = fmt.grad_bytes(sum(lay.numel for lay in layouts)) + (
-            0 if fmt.grad == "fp32" else self.side_grad_bytes)
         self.cache_bytes = sum(s.slot_bytes(lay) for lay in layouts[1:-1])
         self.margin_gib = 2.0 + 0.05 * gpu_gib if ex.on_gpu else 0.0
         self.process_bytes = process_host_bytes(self.hw, s.compile_workers)  # in every placement's rows
         self.state_bytes = [fmt.state_bytes(lay.numel) for lay in layouts]  # master + m + v in their formats
+        # the host-state units of the rank holding the most of them with none GPU-resident (the most any rank's host
+        # is asked to hold), and their gradients (bf16 or int8 ones with the shared accumulators): the search puts
+        # the gradients on the GPU first when that rank's host could not hold them
+        fullest = self.held_units(0)
+        self.fullest_state_bytes = sum(self.state_bytes[u] for u in fullest)
+        self.fullest_grad_bytes = sum(fmt.grad_bytes(layouts[u].numel) for u in fullest) + (
+            0 if fmt.grad == "fp32" else self.side_grad_bytes)
         self.moment_bytes = [fmt.state_bytes(lay.numel) - fmt.master_bytes(lay.numel) for lay in layouts]
         self.state_name = f"{fmt.master} master, {fmt.moments} Adam m + v"
         # the fixed working set but the kept graphs (`fixed_rows`, in every placement's rows)
@@ -150,6 +153,15 @@ class StreamPlanner:
         # the host AdamW updates fp32 state only: a low-precision format puts every unit on the GPU for its update
         self.gpu_updated_only = not fmt.exact
         self._check_fixed_split()
+
+    def gpu_grad_bytes(self, n_res: int) -> int:
+        """The gradients on the GPU with the gradients' tier there, on the rank holding the most (`n_res`
+        GPU-resident units): fp32, every unit's accumulator (each rank accumulates every unit's gradient before the
+        sum over ranks); bf16 or int8, the shared accumulators (side_grad_bytes) and the held copies the rank reads
+        at its updates (`StepShape.held_copy_bytes`: with sharded state, of the GPU-resident units and its own)."""
+        if self.fmt.grad == "fp32":
+            return self.fmt.grad_bytes(sum(self.s.numels))
+        return self.side_grad_bytes + self.s.held_copy_bytes(n_res, self.n_units)
 
     # ---- the rows of one placement ------------------------------------------------------------------------------
     def fixed_rows(self, n_kept: int) -> List[Tuple[str, int]]:
@@ -198,7 +210,7 @@ class StreamPlanner:
         """The host-state units of the rank that holds the most of them (all of them on one rank)."""
         if self.state_ranks <= 1:
             return set(range(n_res, self.n_units))
-        owner = state_owners(self.spec, n_res, self.state_ranks)
+        owner = self.s.owners(n_res)
         per_rank = [{u for u, r in owner.items() if r == rank} for rank in range(self.state_ranks)]
         return max(per_rank, key=lambda units: sum(self.state_bytes[u] for u in units))
 
@@ -267,29 +279,39 @@ class StreamPlanner:
                      self.fetched_input_bytes())
 
     def _gradient_rows(self, plan: MemoryPlan, placement: Placement, held: set) -> None:
-        """Where the gradients wait for the global norm, and the bf16 transfer's copies."""
+        """Where the gradients wait for the global norm, and the bf16 transfer's copies. Each GPU row is that of the
+        rank holding the most of it (held copies, wire copies), the host rows those of `held`'s rank, but for the
+        held bf16 gradients waiting there: the rank holding the most of those."""
         s, fmt, layouts, tier = self.s, self.fmt, self.layouts, self.compute_tier
-        n_gpu = placement.gpu_resident_units + placement.gpu_streamed_units
+        n_res = placement.gpu_resident_units
+        n_gpu = n_res + placement.gpu_streamed_units
         n_host = len(placement.host_units)
         largest_host = max([layouts[u].numel for u in placement.host_units], default=0)
         grads_on_gpu = placement.grads_tier == "gpu"
+        host_grads = placement.host_grad_units_range
         if grads_on_gpu:
-            plan.add(tier, f"{fmt.grad} gradients of every unit until the norm is known", self.grad_bytes)
+            if fmt.grad == "fp32":
+                plan.add(tier, f"{fmt.grad} gradients of every unit until the norm is known",
+                         self.gpu_grad_bytes(n_res))
             if n_host:
                 plan.add("host", f"pinned gradient staging ({s.grad_transfer}, 2 x largest host-updated unit)",
                          2 * s.transfer_bytes(largest_host))
         else:
             plan.add("host", f"{s.grad_transfer} gradients of host-updated units until the global norm is known",
                      s.transfer_bytes(sum(layouts[u].numel for u in held if u >= n_gpu)))
-            host_grads = placement.host_grad_units_range
-            on_host = s.held_grad_bytes(host_grads)
-            plan.add(tier, f"accumulators: embedding, head, 2 layers (fp32); GPU-updated layers ({fmt.grad})",
-                     self.side_grad_bytes + s.own_accumulator_bytes(n_gpu) - on_host)
-            if host_grads:
-                plan.add("host", f"{fmt.grad} gradients of the last {len(host_grads)} GPU-streamed units until their "
-                         "update", on_host)
-                plan.add(tier, f"{fmt.grad} copies of those gradients for the D2H (stochastic rounding)",
-                         s.host_grad_wire_bytes(host_grads))
+            if fmt.grad == "fp32":
+                plan.add(tier, f"accumulators: embedding, head, 2 layers (fp32); GPU-updated layers ({fmt.grad})",
+                         self.side_grad_bytes + s.own_accumulator_bytes(n_res, n_gpu))
+        if fmt.grad != "fp32":  # whatever the tier: the shared accumulators and the copies held for the updates
+            plan.add(tier, "accumulators: embedding, head, 2 layers (fp32)", self.side_grad_bytes)
+            plan.add(tier, f"{fmt.grad} gradients held until the norm is known ({self._held_copies_item(placement)})",
+                     s.held_copy_bytes(n_res, n_gpu, len(host_grads)))
+        if host_grads:
+            mine = ", this rank's share" if self.state_ranks > 1 else ""
+            plan.add("host", f"{fmt.grad} gradients of the last {len(host_grads)} GPU-streamed units until their "
+                     f"update{mine}", s.host_held_grad_bytes(n_res, n_gpu, len(host_grads)))
+            plan.add(tier, f"{fmt.grad} copies of those gradients for the D2H (stochastic rounding)",
+                     s.host_grad_wire_bytes(n_res, host_grads))
         if n_host and s.grad_transfer == "bf16":
             # the bf16 copies the D2H reads: of the accumulators that serve host-updated units (the head, the
             # embedding when it is host-updated, the shared pair of layers when a layer is), or the fetch's pair
@@ -300,6 +322,12 @@ class StreamPlanner:
                      2 * wired)
             plan.add("host", "fp32 scratch the host AdamW upcasts each bf16 gradient into (largest host-updated unit)",
                      4 * largest_host)
+
+    def _held_copies_item(self, placement: Placement) -> str:
+        """Whose held gradient copies the GPU keeps (`StepShape.held_copy_bytes`)."""
+        whose = "every unit" if self.state_ranks <= 1 else (
+            "the GPU-resident units and this rank's own" if placement.gpu_resident_units else "this rank's units")
+        return f"{whose} but the last {placement.host_grad_units} GPU-streamed" if placement.host_grad_units else whose
 
     def _startup_row(self, plan: MemoryPlan, held: set, process_bytes: int) -> None:
         """Start-up: the host masters are written while the other host buffers are not yet touched, but with a
@@ -414,10 +442,12 @@ class _GpuSearch:
         self.fixed_split = e.gpu_resident_units >= 0 and e.gpu_streamed_units >= 0
         self.fixed_bytes = {n_kept: sum(b for _, b in p.fixed_rows(n_kept)) for n_kept in self.kept_choices}
         # the process, the state and every gradient but the embedding's, the head's and two layers' (those are in
-        # the shared accumulators), whichever tier holds them
-        self.held_anyway = (p.process_bytes + sum(p.state_bytes) - p.nvme_room
-                            + p.fmt.grad_bytes(sum(lay.numel for lay in p.layouts[1:-1])
-                                               - min(2, p.L) * p.s.layer_numel))
+        # the shared accumulators), whichever tier holds them; with sharded state a rank's share of them, at least
+        # 1 / state_ranks (the GPU-resident units are on every rank), so that the bound stays a necessary condition
+        self.held_anyway = (p.process_bytes - p.nvme_room
+                            + (sum(p.state_bytes) + p.fmt.grad_bytes(sum(lay.numel for lay in p.layouts[1:-1])
+                                                                     - min(2, p.L) * p.s.layer_numel))
+                            / p.state_ranks)
 
     def hbm_left(self, n_kept: int) -> float:
         """GPU bytes beyond the fixed working set, the layer ring, the shared accumulators and the margin."""
@@ -432,10 +462,11 @@ class _GpuSearch:
         for n_kept in self.kept_choices:
             found, forced = _placements(p.s, p.e, n_kept, g, self.splits, self.fixed_split, {
                 "free": self.hbm_left(n_kept),
-                "host_free": p.host_gib * GIB - sum(p.state_bytes) - 2 * GIB + p.nvme_room,
+                "host_free": p.host_gib * GIB - p.fullest_state_bytes - 2 * GIB + p.nvme_room,
                 "activation": p.activation_bytes(n_kept, g), "regenerated": p.regenerated_bytes(n_kept, g),
                 "regenerated_host": p.regenerated_host_bytes(n_kept, g), "fetched": p.fetched_input_bytes(),
-                "grad": p.grad_bytes, "side_grad": p.side_grad_bytes, "cache": p.cache_bytes, "ring": p.ring_bytes})
+                "grad_host": p.fullest_grad_bytes, "side_grad": p.side_grad_bytes, "cache": p.cache_bytes,
+                "ring": p.ring_bytes}, p.gpu_grad_bytes)
             if fallback is None:
                 fallback = forced
             candidates += found
