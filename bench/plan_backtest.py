@@ -9,7 +9,9 @@ as `python train.py ... plan=true` plans it. Printed per row: the measured step,
 own run (`plan_step_s`, where it has one), today's plan and its error, the forward and backward phases, the GPU
 peak (tensor memory), the host peak (the process and torch.compile's workers) and the host AdamW's pass, measured
 and planned; then, per card, the median rate of the host AdamW inside the steps (the parameters it updated over its
-pass: `hardware.cpu_adam_gparams_per_s_in_step`, rows with moments on NVMe left out). A row
+pass: `hardware.cpu_adam_gparams_per_s_in_step`, rows with moments on NVMe left out), and the median over
+mixture-of-experts rows of the measured backward over today's planned one, per model too (the backward is nearly all
+MoE layer compute at these lengths: `hardware.moe_step_ratio` times that median is the profile's new figure). A row
 whose overrides no longer compose is listed as skipped, with the reason (the renamed `train=throughput` and
 `+experiment=<name>` are read as today's `train=bench` and `experiment=bench_<name>`). The rows come from older commits, so a
 gap can be the engine's change as well as the planner's: the use is comparing a planner change on the same rows
@@ -73,6 +75,9 @@ def _replan(row: dict):
         overrides.append(f"hardware={profile}")
     placement = row["placement"]
     overrides += [f"engine.{k}={placement[k]}" for k in PLACEMENT_KEYS if k in placement]
+    # the micro-batches the row ran, which `train.grad_accum=-1` leaves to the plan
+    if row.get("grad_accum"):
+        overrides.append(f"train.grad_accum={row['grad_accum']}")
     # the layer the row ran, which `train.lean_layer=auto` now leaves to the plan: recorded since (`lean_layer`);
     # an older row ran the plain layer up to AUTO_LEAN_MIN_TOKENS a micro-batch
     lean = row.get("lean_layer")
@@ -111,7 +116,7 @@ def backtest(rows):
         if row.get("engine") != "stream" or not row.get("step_s") or not row.get("placement"):
             continue
         planned = _replan(row)
-        entry = {"job": row.get("job"), "gpu": row.get("gpu"), "git_sha": row.get("git_sha"),
+        entry = {"job": row.get("job"), "model": row.get("model"), "gpu": row.get("gpu"), "git_sha": row.get("git_sha"),
                  "step_s": row["step_s"], "plan_then_s": row.get("plan_step_s")}
         if isinstance(planned, str):
             entry["skipped"] = planned
@@ -124,7 +129,8 @@ def backtest(rows):
                          gpu_gib=row.get("gpu_mem_gib"), plan_gpu_gib=plan.allocated("gpu") / GIB,
                          host_gib=host_gib(row), plan_host_gib=plan.total("host") / GIB,
                          host_adamw_s=row.get("median_optimizer_s"), plan_host_adamw_s=times["host_adamw"],
-                         host_adamw_gparams_per_s=host_adamw_rate(row, host_params))
+                         host_adamw_gparams_per_s=host_adamw_rate(row, host_params),
+                         moe_bwd_ratio=moe_bwd_ratio(row, plan))
         out.append(entry)
     return out
 
@@ -135,6 +141,28 @@ def host_adamw_rate(row: dict, host_params: int):
     if not host_params or not row.get("median_optimizer_s") or row["placement"].get("nvme_units"):
         return None
     return host_params / row["median_optimizer_s"] / 1e9
+
+
+def moe_bwd_ratio(row: dict, plan):
+    """A MoE row's measured backward over its plan's; None for other rows and for rows that measured no backward."""
+    if "MoE layers at the figures" not in plan.speeds or not row.get("median_backward_s"):
+        return None
+    return row["median_backward_s"] / plan.times_s["backward"]
+
+
+def moe_summary(table) -> str:
+    """Per card, the MoE rows' backward measured over planned: the median over them and per model (the profile's
+    `hardware.moe_step_ratio` times it is the figure that would have planned them right)."""
+    lines = []
+    for card in sorted({profile_for_gpu(e["gpu"] or "") or "?" for e in table}):
+        rows = [e for e in table if e.get("moe_bwd_ratio") and (profile_for_gpu(e["gpu"] or "") or "?") == card]
+        groups = {m: [e["moe_bwd_ratio"] for e in rows if e["model"] == m] for m in sorted({e["model"] for e in rows})}
+        if rows:
+            each = ", ".join(f"{m} {statistics.median(r):.3f} ({len(r)})" for m, r in groups.items())
+            median = statistics.median(e["moe_bwd_ratio"] for e in rows)
+            lines.append(f"{card}: MoE backward measured over planned, median {median:.3f} over {len(rows)} rows "
+                         f"({each}; times hardware.moe_step_ratio: its figure)")
+    return "\n".join(lines)
 
 
 def host_adamw_summary(table) -> str:
@@ -173,9 +201,10 @@ def main(argv=None) -> None:
               f"{_f(e['backward_s']):>6} {e['plan_backward_s']:6.2f} {_f(e['gpu_gib'], '{:.1f}'):>8} "
               f"{e['plan_gpu_gib']:6.1f} {_f(e['host_gib'], '{:.1f}'):>9} {e['plan_host_gib']:6.1f} "
               f"{_f(e['host_adamw_s']):>7} {e['plan_host_adamw_s']:6.2f}")
-    summary = host_adamw_summary([e for e in table if "skipped" not in e])
-    if summary:
-        print(summary)
+    for summary in (host_adamw_summary([e for e in table if "skipped" not in e]),
+                    moe_summary([e for e in table if "skipped" not in e])):
+        if summary:
+            print(summary)
     if args.jsonl is not None:
         with open(args.jsonl, "w") as f:
             for e in table:

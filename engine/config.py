@@ -299,6 +299,10 @@ class HardwareConfig(LayerFigures):
     # mixture-of-experts layers' figures by model and micro-batch tokens (see MoeLayerFigures); MoE runs use them in
     # place of the dense layer's, which are far too fast for them
     moe_layers: List[MoeLayerFigures] = field(default_factory=list)
+    # MoE layers inside training steps run this much longer than at the figures above, measured on one layer alone
+    # (real tokens route less evenly than the calibration's random inputs): the median over MoE engine rows of the
+    # measured backward over the planned one, which `python -m bench.plan_backtest` prints; 0: not measured
+    moe_step_ratio: float = 0.0
     h2d_gbps: float = 0.0  # pinned host->device, alone
     d2h_gbps: float = 0.0  # pinned device->host, alone
     bidir_gbps: float = 0.0  # both directions at once, total
@@ -865,7 +869,7 @@ MOE_FIGURES = tuple(f"{k}_tflops_{mode}" for mode in ("compiled", "eager") for k
 HARDWARE_FIGURES = ("gpu_mem_gib", "gpu_mem_cap_gib", "peak_bf16_tflops", "peak_fp32_tflops", "host_mem_gib",
                     "profile_host_mem_gib", "host_process_gib", "nvme_gib", "nvme_gbps", *TFLOPS_FIGURES,
                     *ATTENTION_FIGURES, *TRANSFER_FIGURES, "bidir_gbps_under_adam",
-                    "host_compile_workers_gib", "lean_step_ratio_sdpa", "lean_step_ratio_triton",
+                    "host_compile_workers_gib", "lean_step_ratio_sdpa", "lean_step_ratio_triton", "moe_step_ratio",
                     "cpu_adam_gparams_per_s_in_step")
 # what 0 means for the figures where it is not "unknown"
 ZERO_MEANS = {"host_mem_gib": "this machine's memory",
@@ -874,6 +878,7 @@ ZERO_MEANS = {"host_mem_gib": "this machine's memory",
               "bidir_gbps_under_adam": "not measured: the link as fast under the host AdamW as alone",
               "lean_step_ratio_sdpa": "not measured: the lean layer at the time model's figures",
               "lean_step_ratio_triton": "not measured: the lean layer at the time model's figures",
+              "moe_step_ratio": "not measured: MoE layers at their calibrated figures",
               "cpu_adam_gparams_per_s_in_step": "not measured: the host AdamW at cpu_adam_gparams_per_s_under_pcie"}
 
 

@@ -235,13 +235,13 @@ def test_moe_only_measures_the_moe_layers_and_keeps_every_other_field(calibrate,
 
     assert all("qwen3_30b_a3b" in what for what in timed)
     written, before = (OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(p)) for p in (out, base))
-    assert [(e.model, e.tokens) for e in written.moe_layers] == [("gptoss20b", 8192), ("qwen3_30b_a3b", 64)]
-    assert written.moe_layers[0] == before.moe_layers[0] and written.moe_layers[1].measured != "long ago"
-    assert written.moe_layers[1].fwd_tflops_eager != 1.0
+    assert [(e.model, e.tokens) for e in written.moe_layers] == [(e.model, e.tokens) for e in before.moe_layers]
+    assert written.moe_layers[:-1] == before.moe_layers[:-1]
+    assert written.moe_layers[-1].measured != "long ago" and written.moe_layers[-1].fwd_tflops_eager != 1.0
     calibrate.main([*TINY, "--moe-only", "--moe-models", "qwen3_30b_a3b", "--modes", "compiled", "--base", str(out),
                     "--out", str(out)])
-    again = OmegaConf.load(out).moe_layers[1]  # a mode not measured again keeps its figures
-    assert again.fwd_tflops_eager == written.moe_layers[1].fwd_tflops_eager and again.fwd_tflops_compiled > 0
+    again = OmegaConf.load(out).moe_layers[-1]  # a mode not measured again keeps its figures
+    assert again.fwd_tflops_eager == written.moe_layers[-1].fwd_tflops_eager and again.fwd_tflops_compiled > 0
     for key in ("calibration", "fwd_tflops_compiled", "h2d_gbps", "layer_widths", "attn_points", "host_process_gib"):
         assert written[key] == before[key], key
     assert "--moe-only" in out.read_text().splitlines()[0]

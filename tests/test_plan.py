@@ -317,6 +317,21 @@ def test_moe_layers_are_timed_at_their_own_shapes_figures_interpolated_in_tokens
     assert moe_rates(hw, "eager", shape, 16384)[0] is None  # no eager figures: the dense layer's, said so
 
 
+def test_moe_layers_in_steps_run_at_the_profiles_in_step_ratio_of_their_figures():
+    """hardware.moe_step_ratio slows a MoE run's layer rates by that factor, says so in the speeds line, and leaves a
+    dense run's alone."""
+    from engine.plan.speeds import MoeShape, Speeds
+
+    def speeds(ratio, moe=MoeShape(2880, 32, 4, 2880)):
+        hw = make_cfg(["hardware=h100", f"hardware.moe_step_ratio={ratio}", "plan=true"]).hardware
+        return Speeds(hw, True, "sdpa", moe, 2880, 4096, mb_tokens=16384), hw
+
+    (alone, hw), (in_step, _) = speeds(0), speeds(1.25)
+    assert (in_step.fwd, in_step.bwd) == pytest.approx((alone.fwd / 1.25, alone.bwd / 1.25))
+    assert "1.25x their time inside steps" in in_step.describe(hw) and "inside steps" not in alone.describe(hw)
+    assert speeds(1.25, moe=None)[0].fwd == speeds(0, moe=None)[0].fwd
+
+
 def test_layers_of_another_width_are_timed_at_that_widths_calibrated_rates():
     """With a second calibrated width, layers between the two are timed at rates interpolated in log(hidden), at a
     calibrated width at exactly its figures and outside them at the nearest one's; a mode that width has no figures

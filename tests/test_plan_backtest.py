@@ -81,3 +81,28 @@ def test_a_row_is_replanned_with_the_layer_it_ran(recorded, seq_len, pinned):
     replanned = plan_backtest.replan(row)
     assert replanned.execution.lean == expected.execution.lean
     assert replanned.times_s["step"] == pytest.approx(expected.times_s["step"], rel=1e-12)
+
+
+def test_a_moe_row_is_replanned_at_the_micro_batches_it_ran_and_gives_its_in_step_ratio(capsys):
+    """A row that let `train.grad_accum=-1` choose is re-planned at the count it ran; a MoE row's backward measured
+    over planned is printed per model, for `hardware.moe_step_ratio`."""
+    over = ["model=gptoss20b", "model.num_hidden_layers=2", "engine=stream", "train=bench", "train.seq_len=4096",
+            "train.micro_batch_size=1", "train.grad_accum=-1", "train.master_dtype=bf16", "train.moments_dtype=int8",
+            "train.grad_dtype=bf16"]
+    placement = {"slots": 2, "keep_activation_layers": 0, "recompute_group": 1, "activation_tier": "gpu",
+                 "grads_tier": "gpu", "cache_weights": "on", "gpu_resident_units": 4, "gpu_streamed_units": 0,
+                 "nvme_units": 0}
+    fixed = [f"engine.{k}={v}" for k, v in placement.items()]
+    cfg = make_cfg([*over[:-4], "train.grad_accum=3", *over[-3:], "hardware=h100", *fixed, "plan=true"])
+    expected = build_plan(ModelSpec(cfg.model), cfg, 78.5, cfg.hardware.profile_host_mem_gib, on_gpu=True,
+                          check=False)
+    row = {"job": "moe", "model": "gptoss20b", "engine": "stream", "overrides": over, "placement": placement,
+           "step_s": 2.0, "gpu": "NVIDIA H100 80GB HBM3", "grad_accum": 3, "median_backward_s": 1.0}
+    (entry,) = plan_backtest.backtest([row])
+    assert entry["plan_now_s"] == pytest.approx(expected.times_s["step"], rel=1e-12)
+    assert entry["moe_bwd_ratio"] == pytest.approx(1.0 / expected.times_s["backward"], rel=1e-12)
+    assert plan_backtest.moe_summary([entry]).startswith(
+        f"h100: MoE backward measured over planned, median {entry['moe_bwd_ratio']:.3f} over 1 rows (gptoss20b")
+    dense = {"job": "dense", "engine": "stream", "overrides": OVERRIDES, "placement": PLACEMENT, "step_s": 6.5,
+             "gpu": "NVIDIA H100 80GB HBM3", "median_backward_s": 4.4}
+    assert plan_backtest.backtest([dense])[0]["moe_bwd_ratio"] is None

@@ -49,7 +49,7 @@ class Speeds:
     `describe` when it is not the one the attention figures were measured with; `seq_len`: the run's tokens per
     sequence, where the figures of that backend are read (`attention_rates`; 0: the main figures). `moe`: the shape
     of the model's MoE layers (None: a dense model), timed with the profile's MoE figures where it has them, at
-    `mb_tokens` tokens per layer call (`moe_rates`). `lean`: the layers run
+    `mb_tokens` tokens per layer call (`moe_rates`), slowed by `hardware.moe_step_ratio`. `lean`: the layers run
     lean (engine/model/lean.py), at `hardware.lean_step_ratio_<attention>` times these figures' time (measured on a
     dense layer; MoE layers are assumed to pay the same)."""
 
@@ -66,7 +66,10 @@ class Speeds:
         if moe is not None:
             moe_tflops, self.moe_note = moe_rates(hw, mode, moe, mb_tokens)
             if moe_tflops is not None:
-                self.fwd, self.bwd = (r * 1e12 for r in moe_tflops)
+                in_step = hw.moe_step_ratio or 1.0  # a layer alone runs faster than inside a step
+                self.fwd, self.bwd = (r * 1e12 / in_step for r in moe_tflops)
+                if hw.moe_step_ratio:
+                    self.moe_note += f", at {in_step:.3g}x their time inside steps (hardware.moe_step_ratio)"
         self.attn_calibrated = min(hw.attn_fwd_tflops, hw.attn_bwd_tflops) > 0
         # without attention figures the layer rates time the attention too
         self.attn_fwd, self.attn_bwd = self.fwd, self.bwd
