@@ -277,6 +277,10 @@ class HardwareConfig(LayerFigures):
     # the host RAM of the machine the profile was measured on, used only when planning for that machine from
     # another one (plan=true with another card's profile); a run plans with the memory of the machine it is on
     profile_host_mem_gib: float = 0.0
+    # the cards of one host the profile describes (h100x8: 8); plan=true plans one of that many data-parallel ranks,
+    # as `torchrun --nproc_per_node=<gpus>` runs them (each its share of the micro-batches and of the host's RAM, the
+    # state sharded); a run takes its ranks from torchrun
+    gpus: int = 1
     # the model and hidden size of the layer the LayerFigures were measured on ("", 0: unknown; they then time
     # every model), and the figures of other widths: a model between two calibrated widths is timed at rates
     # interpolated in log(hidden), one outside them at the nearest width's
@@ -968,6 +972,7 @@ def _validate_hardware(cfg: DictConfig) -> None:
     _layer_figures_together(hw, "hardware")
     _validate_layer_widths(hw)
     _positive("hardware.attn_seq_len", hw.attn_seq_len, 0)
+    _positive("hardware.gpus", hw.gpus)
     if any(hw[k] > 0 for k in ATTENTION_FIGURES):
         if min(hw[k] for k in ATTENTION_FIGURES) <= 0 or hw.attn_seq_len < 1 or not hw.attn_backend:
             raise ConfigError(f"hardware.attn_fwd_tflops={hw.attn_fwd_tflops}, hardware.attn_bwd_tflops="

@@ -169,6 +169,23 @@ def state_owners(spec, n_resident: int, world: int) -> Dict[int, int]:
     return owners({u.index: u.layout.numel for u in spec.units[n_resident:]}, world)
 
 
+def check_split(grad_accum: int, world: int, ranks: str, hint: str = "") -> None:
+    """Refuse micro-batches per step that do not split evenly over `world` ranks (`ranks` names where the count
+    comes from; `hint`, another way out)."""
+    if grad_accum == GRAD_ACCUM_AUTO:
+        raise ConfigError(f"train.grad_accum={GRAD_ACCUM_AUTO} (auto) is planned for one process; with "
+                          f"{ranks} set the micro-batches per step, a multiple of {world}{hint}")
+    if grad_accum % world:
+        raise ConfigError(f"train.grad_accum={grad_accum} micro-batches per step do not split over {ranks} "
+                          f"ranks: use a multiple of {world} (each rank runs grad_accum / {world} of them){hint}")
+
+
+def planned_ranks(world: int) -> DataParallel:
+    """What `plan=true` plans for a profile of `world` cards of one host: rank 0 of a torchrun job of `world` ranks
+    on that host (every rank plans alike), with nothing to communicate."""
+    return DataParallel(world=world, local_world=world)
+
+
 def init(device_name: str, grad_accum: int, timeout_min: float = 30.0) -> DataParallel:
     """Join the torchrun job this process belongs to (a single-process DataParallel without one). Checks that the
     micro-batches split evenly over the ranks before any group is formed; on CUDA each rank takes GPU LOCAL_RANK."""
@@ -176,12 +193,7 @@ def init(device_name: str, grad_accum: int, timeout_min: float = 30.0) -> DataPa
     if world <= 1:
         return SINGLE
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if grad_accum == GRAD_ACCUM_AUTO:
-        raise ConfigError(f"train.grad_accum={GRAD_ACCUM_AUTO} (auto) is planned for one process; with "
-                          f"WORLD_SIZE={world} set the micro-batches per step, a multiple of {world}")
-    if grad_accum % world:
-        raise ConfigError(f"train.grad_accum={grad_accum} micro-batches per step do not split over WORLD_SIZE={world} "
-                          f"ranks: use a multiple of {world} (each rank runs grad_accum / WORLD_SIZE of them)")
+    check_split(grad_accum, world, f"WORLD_SIZE={world}")
     cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
     if cuda:
         if local_rank >= torch.cuda.device_count():

@@ -168,6 +168,29 @@ class RunLog:
 
 
 class Trainer:
+    def _plan_only(self, full_depth_layers: int) -> None:
+        """`plan=true`: the plan of one rank of the profile's `hardware.gpus` (one process on a one-card profile),
+        made as that rank of a torchrun job on the profile's host would make it."""
+        cfg = self.cfg
+        on_gpu = cfg.hardware.device == "cuda" or (cfg.hardware.device == "auto" and torch.cuda.is_available())
+        ranks = distributed.planned_ranks(cfg.hardware.gpus)
+        if ranks.active:
+            distributed.check_split(cfg.train.grad_accum, ranks.world, f"hardware.gpus={ranks.world}",
+                                    hint="; or hardware.gpus=1 to plan one process")
+        local_cfg = distributed.local_config(cfg, ranks)
+        # this machine's, or the profile's when planning for another, shared by the host's ranks
+        host_gib = hardware.host_budget(cfg).per_rank(ranks.local_world)
+        gpu_gib = hardware.usable_gpu_gib(cfg.hardware, 0.0)
+        state_ranks = ranks.world if ranks.active and cfg.engine.name == "stream" and cfg.engine.shard_state else 1
+        self.plan = build_plan(self.spec, local_cfg, gpu_gib, host_gib, on_gpu, check=False, state_ranks=state_ranks)
+        if ranks.active:
+            sharded = ", the state sharded" if state_ranks > 1 else ""
+            self.plan.ranks_line = (f"planned for one of {ranks.world} data-parallel ranks (hardware.gpus="
+                                    f"{ranks.world}, as torchrun --nproc_per_node={ranks.world} runs them): its "
+                                    f"{local_cfg.train.grad_accum} of the {cfg.train.grad_accum} micro-batches a "
+                                    f"step, its share of the host's memory{sharded}")
+        self.depth_truncated = depth_truncated(local_cfg, full_depth_layers, gpu_gib, host_gib, on_gpu, state_ranks)
+
     def __init__(self, cfg: DictConfig, run_dir: str | Path):
         self.log = RunLog()
         hardware.resolve(cfg)
@@ -178,11 +201,7 @@ class Trainer:
         self.spec = ModelSpec(cfg.model)
         full_depth_layers = self.spec.check_expected_params()
         if cfg.plan:  # a plan for the configured hardware, which need not be this machine
-            on_gpu = cfg.hardware.device == "cuda" or (cfg.hardware.device == "auto" and torch.cuda.is_available())
-            host_gib = hardware.host_budget(cfg)  # this machine's, or the profile's when planning for another
-            gpu_gib = hardware.usable_gpu_gib(cfg.hardware, 0.0)
-            self.plan = build_plan(self.spec, cfg, gpu_gib, host_gib, on_gpu, check=False)
-            self.depth_truncated = depth_truncated(cfg, full_depth_layers, gpu_gib, host_gib, on_gpu)
+            self._plan_only(full_depth_layers)
             return
         set_deterministic(t.deterministic)  # before any CUDA work: cuBLAS reads its workspace setting once
         self.dp = distributed.init(cfg.hardware.device, t.grad_accum)

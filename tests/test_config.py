@@ -243,6 +243,7 @@ BAD = {
     "hardware.lean_step_ratio_sdpa": _figures("hardware.lean_step_ratio_sdpa"),
     "hardware.lean_step_ratio_triton": _figures("hardware.lean_step_ratio_triton"),
     "hardware.moe_step_ratio": _figures("hardware.moe_step_ratio"),
+    "hardware.gpus": ["hardware.gpus=0", "hardware.gpus=two"],
     "hardware.cpu_adam_gparams_per_s_in_step": _figures("hardware.cpu_adam_gparams_per_s_in_step"),
     "hardware.host_compile_workers_gib": _figures("hardware.host_compile_workers_gib"),
     **{f"hardware.{key}": [*_figures(f"hardware.{key}"), f"hardware.{key}=0 hardware=h200 plan=true"]

@@ -244,3 +244,34 @@ def test_two_gpus_train_as_one(shard, tmp_path):
     assert ta.keys() == tb.keys() and len(ta) > 0
     for k in ta:
         torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_plan_true_on_a_profile_of_several_cards_plans_one_of_its_ranks(tmp_path, monkeypatch):
+    """plan=true with hardware.gpus=N plans rank 0 of a torchrun job of N ranks on the profile's host: its share of
+    the micro-batches and of the host, the state sharded, as a run under torchrun plans itself; micro-batches that do
+    not split are refused, and hardware.gpus=1 plans one process as before."""
+    from engine import distributed, hardware
+    from engine.config import ConfigError
+    from engine.model import ModelSpec
+    from engine.plan import build_plan
+    from engine.trainer import Trainer
+    from tests.util import make_cfg
+
+    monkeypatch.setattr(hardware, "measure_host_memory_gib", lambda *a, **k: (64.0, "fake measure"), raising=False)
+    over = ["model=qwen7b", "engine=stream", "train=bench", "train.seq_len=4096", "train.micro_batch_size=2",
+            "train.grad_accum=8", "hardware=h100x4", "plan=true"]
+    cfg = make_cfg(over)
+    trainer = Trainer(cfg, tmp_path / "x4")
+    local = distributed.local_config(cfg, distributed.planned_ranks(4))
+    assert local.train.grad_accum == 2 and local.engine.slots >= 5
+    expected = build_plan(ModelSpec(cfg.model), local, hardware.usable_gpu_gib(cfg.hardware, 0.0), 509.0 / 4,
+                          on_gpu=True, check=False, state_ranks=4)
+    assert trainer.plan.rows == expected.rows and trainer.plan.times_s == expected.times_s
+    assert trainer.plan.limits_gib["host"] == pytest.approx(509.0 / 4)
+    assert "one of 4 data-parallel ranks" in trainer.plan.table() and "its 2 of the 8 micro-batches" in \
+        trainer.plan.table()
+    one = Trainer(make_cfg([*over, "hardware.gpus=1"]), tmp_path / "one").plan
+    assert one.limits_gib["host"] == pytest.approx(509.0) and not one.ranks_line
+    with pytest.raises(ConfigError, match="train.grad_accum=6 micro-batches per step do not split over hardware.gpus=4 "
+                                        "ranks.*or hardware.gpus=1 to plan one process"):
+        Trainer(make_cfg([*over, "train.grad_accum=6"]), tmp_path / "odd")

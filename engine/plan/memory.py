@@ -34,6 +34,7 @@ class MemoryPlan:
     execution: Optional["Execution"] = None  # what the run executes (engine/execution.py), as the plan chose it
     execution_choice: str = ""  # how the plan chose between executions (engine/plan/build.py), for the banner
     grad_accum_choice: str = ""  # how `train.grad_accum=-1` was resolved (engine/plan/micro_batches.py)
+    ranks_line: str = ""  # plan=true for a profile of several cards: the rank this plan is of (engine/trainer.py)
     notes: List[str] = field(default_factory=list)  # for a refusal: what else was tried
     # where the host limit comes from (engine/hardware.py, host_budget: measured, hardware.host_mem_gib or the
     # profile's), for the table and a refusal; "" unknown
@@ -108,6 +109,8 @@ class MemoryPlan:
             lines.append(f"{tier:6} {'TOTAL':66} {self.total(tier) / GIB:10.3f}{lim}")
         if self.host_source:
             lines.append(f"host memory planned with: {self.limits_gib.get('host', 0.0):.1f} GiB ({self.host_source})")
+        if self.ranks_line:
+            lines.append(self.ranks_line)
         if self.format_choice:
             lines.append(self.format_choice)
         if self.execution_choice:
