@@ -45,9 +45,12 @@ step is made of, each the median of `--repeats` timed repetitions after `--warmu
    nearest measured one, interpolated in log(tokens) (their grouped expert matmuls, gathers and scatters run far
    below a dense layer's rate, and how far depends on the expert shapes and the tokens each expert gets: at 16K
    tokens on an H200 the dense figures made the MoE backward 2.5-6.4x short, and on an H100 a Qwen3-30B-A3B step
-   timed at a gpt-oss-20b layer's figures came out 13% short). Entries of the base profile that are not measured
-   again (another model or token count) are kept. `--moe-only` measures these alone and copies every other field
-   from `--base`: adding a MoE model to a profile then takes a minute, not a recalibration.
+   timed at a gpt-oss-20b layer's figures came out 13% short: bench/results/moe.md). Entries of the base profile
+   that are not measured again (another model or token count) are kept, and an entry measured again keeps the
+   figures of the modes not measured now. A layer inside a training step runs slower than alone (the profile's
+   `moe_step_ratio`, from `python -m bench.plan_backtest` over measured steps, not from here). `--moe-only`
+   measures these alone and copies every other field from `--base`: adding a MoE model to a profile then takes a
+   minute, not a recalibration.
    The profile records the layer's model and width (`layer_model`, `layer_hidden`). With `--width-models`, each of
    those dense models' layer and head at the same tokens, measured as above -> one entry of `layer_widths` each
    (model, hidden size, the six layer and head figures): a layer's rate depends on its width (on an H100 a
