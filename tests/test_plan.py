@@ -445,6 +445,32 @@ def test_a_calibrated_narrower_layer_lengthens_the_plan_of_a_model_of_that_width
         assert 1.5 * same.times_s[phase] < slow.times_s[phase] <= 2 * same.times_s[phase], phase
 
 
+def test_sharded_streamed_units_are_staged_through_each_ranks_own_buffers():
+    """With sharded state each rank streams its own units' state through its own two staging buffers: a unit waits
+    for the D2H of its rank's previous-but-one streamed unit, not of whichever unit came two before it (another
+    rank's), so the forward of N ranks is set by the busiest rank's link, about 1/N of one rank's."""
+    from engine.placement import Placement
+    from engine.plan import predict_stream
+    from engine.plan.shape import StepShape
+    from engine.plan.speeds import Speeds
+
+    cfg = make_cfg(["model=qwen14b", "engine=stream", "hardware=h100x4", "train.seq_len=4096",
+                    "train.micro_batch_size=1", "train.grad_accum=1", "train.master_dtype=bf16",
+                    "train.moments_dtype=int8", "train.grad_dtype=bf16", "plan=true"])
+    spec = ModelSpec(cfg.model)
+    n = len(spec.units)
+    placement = Placement(n_units=n, slots=5, gpu_resident_units=0, gpu_streamed_units=n)
+    forward = {}
+    for ranks in (1, 4):
+        s = StepShape(spec, cfg, True, StateFormat.of(cfg.train), ranks)
+        times = predict_stream(s, Speeds.of_step(cfg.hardware, spec, s, compiled=True), placement)[0]
+        assert times["forward"] >= times["forward_h2d"] > times["forward_compute"]  # the forward waits on the link
+        forward[ranks] = times["forward"]
+        if ranks == 4:  # about the busiest rank's link, not the four links' work in a row
+            assert times["forward"] <= 1.5 * max(times["forward_h2d"], times["forward_d2h"])
+    assert forward[4] < 0.4 * forward[1]
+
+
 def _fits_with(base, fmt, host_gib, state_ranks):
     cfg = make_cfg([*base, *fmt.overrides().split()])
     plan = build_plan(ModelSpec(cfg.model), cfg, gpu_gib=139.0, host_gib=host_gib, on_gpu=True, check=False,

@@ -32,7 +32,8 @@ def predict_stream(s: StepShape, sp: Speeds, placement: Placement) -> Tuple[Dict
     one, whose state also goes back over D2H, and whose held bf16 gradient comes in beside it when it waited on the
     host; both directions then share the link's bidirectional rate); a load
     starts once the host AdamW has updated the unit, its slot is free (the ring holds `slots` units) and, for a
-    streamed unit, its staging buffer is free (two buffers, freed by the D2H). Compute runs each unit when its
+    streamed unit, its staging buffer is free (two buffers per rank, each freed by the D2H of the rank's unit that
+    used it). Compute runs each unit when its
     weights are in. The host AdamW updates its units in order from the start of the forward, at its rate under PCIe
     load; a transfer that starts while it runs moves at the link's rate under the optimizer (`bidir_gbps_under_adam`
     over `bidir_gbps`, in both directions: of qwen7b's forward wait at 64K tokens that the plan missed, this accounts
@@ -134,9 +135,10 @@ class StepTimer:
         for u in range(n_gpu, n_units):
             clock[link[u]] += self.adam_disk_s[u] if u in on_disk else self.adam_s[u]
             host_done[u] = clock[link[u]]
-        h2d_end, d2h_end, end = [0.0] * n_units, [0.0] * n_units, [0.0] * n_units
+        h2d_end, end = [0.0] * n_units, [0.0] * n_units
         h2d_prev, d2h_prev, end_prev = [0.0] * ranks, [0.0] * ranks, 0.0
         h2d_busy, d2h_busy = [0.0] * ranks, [0.0] * ranks
+        staged: List[List[float]] = [[] for _ in range(ranks)]  # per rank, the D2H ends of its streamed units so far
         for u in range(n_units):
             r = link[u]
             start = max(h2d_prev[r], host_done[u])
@@ -145,9 +147,9 @@ class StepTimer:
             d2h_t = 0.0
             if u < n_res:
                 h2d_t = 0.0
-            elif u < n_gpu:  # streamed: master + m + v in, and back out
-                if u - 2 >= n_res:
-                    start = max(start, d2h_end[u - 2])
+            elif u < n_gpu:  # streamed: master + m + v in, and back out, through the rank's two staging buffers
+                if len(staged[r]) >= 2:
+                    start = max(start, staged[r][-2])
                 h2d_t = d2h_t = self.streamed_s[u]
                 if u >= first_host_grad:
                     h2d_t += self.held_grad_in_s[u]
@@ -163,7 +165,8 @@ class StepTimer:
             for q in range(ranks):
                 d2h_prev[q] = max(d2h_prev[q], h2d_end[u]) + act_t + (d2h_t if q == r else 0.0)
                 d2h_busy[q] += act_t + (d2h_t if q == r else 0.0)
-            d2h_end[u] = d2h_prev[r]
+            if n_res <= u < n_gpu:
+                staged[r].append(d2h_prev[r])
             h2d_busy[r] += h2d_t
             end[u] = end_prev = max(end_prev, h2d_end[u]) + self.compute[u]
         return Forward(end[-1], tuple(clock), tuple(h2d_busy), tuple(d2h_busy))
