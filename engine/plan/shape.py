@@ -46,6 +46,8 @@ class StepShape:
         self._grad_upto = list(accumulate((fmt.grad_bytes(n) for n in self.numels), initial=0))
         self._owners: Dict[int, Dict[int, int]] = {}  # GPU-resident units -> the host-state units' owners
         self._owned_grad_upto: Dict[int, List[List[int]]] = {}  # the same -> per rank, `_grad_upto` of its own units
+        self._staging: Dict[tuple, int] = {}  # `staging_bytes` by its arguments
+        self.split_bytes: Dict[tuple, int] = {}  # engine/plan/stream.py's `_split_bytes` by its arguments
         fused = ex.fused_loss
         self.compiled, self.compile_workers = ex.compiled, ex.compile_workers
         self.mlp_chunk_tokens, self.attention, self.lean = ex.mlp_chunk_tokens, ex.attention, ex.lean
@@ -145,10 +147,13 @@ class StepShape:
         `n_host_grads` of them, which come in from the host beside it (engine/streaming/streamed_update.py)."""
         if not n_str:
             return 0
-        first_host_grad = n_res + n_str - n_host_grads
-        return min(N_STAGES, n_str) * max(
-            self.fmt.state_bytes(n) + (self.fmt.grad_bytes(n) if u >= first_host_grad else 0)
-            for u, n in enumerate(self.numels[n_res:n_res + n_str], n_res))
+        key = (n_res, n_str, n_host_grads)
+        if key not in self._staging:  # the search asks for the same splits for every kept count and group size
+            first_host_grad = n_res + n_str - n_host_grads
+            self._staging[key] = min(N_STAGES, n_str) * max(
+                self.fmt.state_bytes(n) + (self.fmt.grad_bytes(n) if u >= first_host_grad else 0)
+                for u, n in enumerate(self.numels[n_res:n_res + n_str], n_res))
+        return self._staging[key]
 
     def host_grad_units(self, n_res: int, n_str: int, n_host_grads: int) -> range:
         """The streamed units whose held bf16 gradients wait on the host: the last `n_host_grads`."""

@@ -82,13 +82,17 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
 
 def _split_bytes(s: StepShape, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:
     """GPU bytes the update places take beyond the fixed working set: resident state (+ the resident layers' own
-    slots and accumulators), streamed staging (+ the streamed layers' accumulators)."""
-    nbytes = s.resident_state_bytes(n_res) + s.staging_bytes(n_res, n_str)
-    if not grads_on_gpu:
-        nbytes += s.own_accumulator_bytes(n_res, n_res + n_str)
-    if not cached:
-        nbytes += s.own_slot_bytes(n_res)
-    return nbytes
+    slots and accumulators), streamed staging (+ the streamed layers' accumulators). Kept in `s.split_bytes`: the
+    search asks for the same splits for every kept-graph count and recompute group."""
+    key = (n_res, n_str, grads_on_gpu, cached)
+    if key not in s.split_bytes:
+        nbytes = s.resident_state_bytes(n_res) + s.staging_bytes(n_res, n_str)
+        if not grads_on_gpu:
+            nbytes += s.own_accumulator_bytes(n_res, n_res + n_str)
+        if not cached:
+            nbytes += s.own_slot_bytes(n_res)
+        s.split_bytes[key] = nbytes
+    return s.split_bytes[key]
 
 
 def choose_split(timer: Optional[StepTimer], candidates: List[Candidate]) -> Optional[Candidate]:
@@ -136,6 +140,7 @@ class StreamPlanner:
         # the gradients on the GPU first when that rank's host could not hold them
         fullest = self.held_units(0)
         self.fullest_state_bytes = sum(self.state_bytes[u] for u in fullest)
+        self._gpu_grad_bytes: Dict[int, int] = {}  # `gpu_grad_bytes` by GPU-resident units
         self.fullest_grad_bytes = sum(fmt.grad_bytes(layouts[u].numel) for u in fullest) + (
             0 if fmt.grad == "fp32" else self.side_grad_bytes)
         self.moment_bytes = [fmt.state_bytes(lay.numel) - fmt.master_bytes(lay.numel) for lay in layouts]
@@ -159,9 +164,10 @@ class StreamPlanner:
         GPU-resident units): fp32, every unit's accumulator (each rank accumulates every unit's gradient before the
         sum over ranks); bf16 or int8, the shared accumulators (side_grad_bytes) and the held copies the rank reads
         at its updates (`StepShape.held_copy_bytes`: with sharded state, of the GPU-resident units and its own)."""
-        if self.fmt.grad == "fp32":
-            return self.fmt.grad_bytes(sum(self.s.numels))
-        return self.side_grad_bytes + self.s.held_copy_bytes(n_res, self.n_units)
+        if n_res not in self._gpu_grad_bytes:  # asked for every split of every search
+            self._gpu_grad_bytes[n_res] = self.fmt.grad_bytes(sum(self.s.numels)) if self.fmt.grad == "fp32" else \
+                self.side_grad_bytes + self.s.held_copy_bytes(n_res, self.n_units)
+        return self._gpu_grad_bytes[n_res]
 
     # ---- the rows of one placement ------------------------------------------------------------------------------
     def fixed_rows(self, n_kept: int) -> List[Tuple[str, int]]:
