@@ -787,9 +787,9 @@ def main(argv: list[str] | None = None) -> dict:
     if calibration is not None and set(args.mode_list) != set(MODES):
         calibration += f" (other modes' figures from {args.base.name})"
     tokens = ",".join(str(b * args.seq_len) for b in args.moe_micro_batch_list)
-    write_profile(args, figures, not_measured, calibration,
-                  what=f"--moe-only ({stamp}).\n# Measured here: the moe_layers entries of {', '.join(args.moe_cfgs)} "
-                       f"at {tokens} tokens, modes {','.join(args.mode_list)}")
+    moe_only = (f"--moe-only ({stamp}).\n# Measured here: the moe_layers entries of {', '.join(args.moe_cfgs)} at "
+                f"{tokens} tokens, modes {','.join(args.mode_list)}")
+    write_profile(args, figures, not_measured, calibration, what=moe_only if calibration is None else "")
     log(f"wrote {args.out}")
     if args.jsonl is not None:
         row = {"bench": "calibrate", **figures, "calibration": calibration or f"moe_only {stamp}", **env,

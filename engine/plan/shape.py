@@ -46,8 +46,10 @@ class StepShape:
         self._grad_upto = list(accumulate((fmt.grad_bytes(n) for n in self.numels), initial=0))
         self._owners: Dict[int, Dict[int, int]] = {}  # GPU-resident units -> the host-state units' owners
         self._owned_grad_upto: Dict[int, List[List[int]]] = {}  # the same -> per rank, `_grad_upto` of its own units
-        self._staging: Dict[tuple, int] = {}  # `staging_bytes` by its arguments
-        self.split_bytes: Dict[tuple, int] = {}  # engine/plan/stream.py's `_split_bytes` by its arguments
+        # `staging_bytes` and `split_bytes` by their arguments: the placement search asks for the same splits for
+        # every kept-graph count and recompute group
+        self._staging: Dict[tuple, int] = {}
+        self._split: Dict[tuple, int] = {}
         fused = ex.fused_loss
         self.compiled, self.compile_workers = ex.compiled, ex.compile_workers
         self.mlp_chunk_tokens, self.attention, self.lean = ex.mlp_chunk_tokens, ex.attention, ex.lean
@@ -138,6 +140,19 @@ class StepShape:
         rank holding the most of them."""
         return self._held_bytes(n_res, self.host_grad_units(n_res, n_gpu_updated - n_res, n_host_grads))
 
+    def split_bytes(self, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:
+        """GPU bytes the update places take beyond the fixed working set: resident state (+ the resident layers' own
+        slots and accumulators), streamed staging (+ the streamed layers' accumulators)."""
+        key = (n_res, n_str, grads_on_gpu, cached)
+        if key not in self._split:
+            nbytes = self.resident_state_bytes(n_res) + self.staging_bytes(n_res, n_str)
+            if not grads_on_gpu:
+                nbytes += self.own_accumulator_bytes(n_res, n_res + n_str)
+            if not cached:
+                nbytes += self.own_slot_bytes(n_res)
+            self._split[key] = nbytes
+        return self._split[key]
+
     def transfer_bytes(self, numel: int) -> int:
         """A host-updated unit's gradient over D2H and in host memory: fp32, or bf16 with bf16 transfer."""
         return (2 if self.grad_transfer == "bf16" else 4) * numel
@@ -148,7 +163,7 @@ class StepShape:
         if not n_str:
             return 0
         key = (n_res, n_str, n_host_grads)
-        if key not in self._staging:  # the search asks for the same splits for every kept count and group size
+        if key not in self._staging:
             first_host_grad = n_res + n_str - n_host_grads
             self._staging[key] = min(N_STAGES, n_str) * max(
                 self.fmt.state_bytes(n) + (self.fmt.grad_bytes(n) if u >= first_host_grad else 0)

@@ -56,7 +56,7 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
         split does not fit (unless `force`: the config fixed it, or nothing fits and the plan will say so)."""
         grads_on_gpu, left = _take(gpu_grad_bytes(n_res) - nbytes["side_grad"], e.grads_tier, free) \
             if grads_first else (False, free)
-        left -= _split_bytes(s, n_res, n_str, grads_on_gpu, base.cache_weights)
+        left -= s.split_bytes(n_res, n_str, grads_on_gpu, base.cache_weights)
         n_host_grads = 0
         if s.fmt.grad == "bf16" and not grads_on_gpu and n_str:  # held bf16 gradients may wait on the host
             n_host_grads = min(e.host_grad_units, n_str) if e.host_grad_units >= 0 else (
@@ -78,21 +78,6 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
 
     found = [c for c in (complete(*split, force=fixed_split) for split in splits) if c is not None]
     return found, complete(*splits[0], force=True)[0]
-
-
-def _split_bytes(s: StepShape, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:
-    """GPU bytes the update places take beyond the fixed working set: resident state (+ the resident layers' own
-    slots and accumulators), streamed staging (+ the streamed layers' accumulators). Kept in `s.split_bytes`: the
-    search asks for the same splits for every kept-graph count and recompute group."""
-    key = (n_res, n_str, grads_on_gpu, cached)
-    if key not in s.split_bytes:
-        nbytes = s.resident_state_bytes(n_res) + s.staging_bytes(n_res, n_str)
-        if not grads_on_gpu:
-            nbytes += s.own_accumulator_bytes(n_res, n_res + n_str)
-        if not cached:
-            nbytes += s.own_slot_bytes(n_res)
-        s.split_bytes[key] = nbytes
-    return s.split_bytes[key]
 
 
 def choose_split(timer: Optional[StepTimer], candidates: List[Candidate]) -> Optional[Candidate]:
