@@ -290,6 +290,8 @@ stage moetokens 'gpt-oss-20b at full depth, compiled, 128K, 192K and train.grad_
   'grid 580 ${JOB_S:-280} moetokens $(only AB_JOBS)'
 stage moeint8grads 'Qwen3-30B-A3B and gpt-oss-20b, full depth, compiled, 64K tokens a step, int8 held gradients' \
   'grid 580 ${JOB_S:-270} moeint8grads $(only AB_JOBS)'
+stage normpass 'the norm pass: gpt-oss-20b 64K held int8 gradients vs norm pass, gpt-oss-120b 4 layers (AB_JOBS: some)' \
+  'grid 590 ${JOB_S:-190} normpass $(only AB_JOBS)'
 stage moe20 'gpt-oss-20b at full depth, eager (JOB_S: its time limit)' \
   'grid $((${JOB_S:-280} + 20)) ${JOB_S:-280} moe --only gptoss20b-stream-16k-eager'
 stage moe30 'Qwen3-30B-A3B at full depth, eager (H200)' \

@@ -36,6 +36,8 @@ def start_banner(cfg, spec, plan, execution, run_dir, ckpt_root, start_step: int
                      f"and updated there, {len(p.host_units)} updated on the host"
                      + (f", {p.nvme_units} with moments on NVMe" if p.nvme_units else "")
                      + (f", {p.host_grad_units} streamed with gradients held on the host" if p.host_grad_units else ""))
+        if p.norm_pass:
+            lines.append(plan.norm_pass_line())
     lines.append(f"memory: GPU {plan.total('gpu') / 2**30:.1f} GiB, host {plan.total('host') / 2**30:.1f} GiB "
                  "planned")
     step_s = plan.times_s.get("step")

@@ -414,6 +414,12 @@ class EngineConfig:
     # update in pinned host memory instead of GPU memory (2 B/param more over D2H in the backward and over H2D at
     # the update); -1: as few as the GPU memory plan needs
     host_grad_units: int = -1
+    # stream: clip without holding gradients. on: a first backward takes the global gradient norm only, a second
+    # computes the gradients again and updates each unit as soon as its gradient is finished, so no gradient waits
+    # for the norm (exact; one more head and backward a step, each GPU-streamed unit's state crosses the link in the
+    # backward instead of at the next forward). It recomputes every layer (no kept graphs or attention outputs, no
+    # cached weights) and needs fp32 gradients and one process; auto: on only where no plan fits with the hold
+    norm_pass: str = one_of("auto", AUTO_ON_OFF)
     # stream, several ranks (torchrun): each rank holds and updates the host state of its own units only, and
     # broadcasts their weights to the others (engine/distributed.py); false: every rank holds all of it
     shard_state: bool = True
@@ -661,6 +667,7 @@ def _validate_engine(cfg: DictConfig) -> None:
         raise ConfigError(f"engine.host_grad_units={e.host_grad_units} places held bf16 gradients, and "
                           f"train.grad_dtype={cfg.train.grad_dtype} {why_no_host_grads}; use "
                           "train.grad_dtype=bf16 or auto, or engine.host_grad_units=-1 or 0")
+    _validate_norm_pass(cfg)
     inexact = _set_formats(cfg.train) if formats.fixed_inexact(cfg.train) else None
     if e.nvme_units > 0 and inexact:
         raise ConfigError(f"engine.nvme_units={e.nvme_units}: the NVMe tier holds the fp32 moments of host-updated "
@@ -690,6 +697,26 @@ def _validate_engine(cfg: DictConfig) -> None:
         raise ConfigError("train.activation_checkpointing=false does not apply to engine=stream, which keeps layer "
                           "inputs and recomputes each layer in the backward (all but the last "
                           "engine.keep_activation_layers); engine=reference honours false")
+
+
+def _validate_norm_pass(cfg: DictConfig) -> None:
+    """engine.norm_pass=on against the settings that keep or hold what its first backward cannot leave behind."""
+    e = cfg.engine
+    if e.norm_pass != "on":
+        return
+    conflicts = [f"{key}={value}" for key, value, fine in (
+        ("train.grad_dtype", cfg.train.grad_dtype, ("auto", "fp32")),
+        ("engine.grads_tier", e.grads_tier, ("auto", "host")),
+        ("engine.keep_activation_layers", e.keep_activation_layers, (-1, 0)),
+        ("engine.kept_attention_layers", e.kept_attention_layers, (-1, 0)),
+        ("engine.cache_weights", e.cache_weights, ("auto", "off")),
+        ("engine.host_grad_units", e.host_grad_units, (-1, 0))) if value not in fine]
+    if conflicts:
+        raise ConfigError(f"engine.norm_pass=on holds no gradient and recomputes every layer, which "
+                          f"{', '.join(conflicts)} contradicts; leave those at auto (-1) or set "
+                          "train.grad_dtype=fp32, engine.grads_tier=host, engine.keep_activation_layers=0, "
+                          "engine.kept_attention_layers=0, engine.cache_weights=off, engine.host_grad_units=0; "
+                          "or engine.norm_pass=off")
 
 
 def _validate_model(cfg: DictConfig) -> None:

@@ -216,10 +216,15 @@ def local_config(cfg, dp: DataParallel):
     tier space (of its RAM too, which the trainer divides), and, with sharded state, a ring of at least world + 1
     layer slots: a unit is loaded over its owner's PCIe link only, so the look-ahead window must hold one unit per
     rank for every rank's link to carry a load at once (with the default 2 slots one load is in flight at a time and
-    the H2D time would not shrink with the ranks)."""
+    the H2D time would not shrink with the ranks). The norm pass runs in one process: `auto` is off here, `on`
+    refused."""
     if not dp.active:
         return cfg
+    if cfg.engine.norm_pass == "on":
+        raise ConfigError(f"engine.norm_pass=on runs in one process, and this run has {dp.world} data-parallel ranks; "
+                          "set engine.norm_pass=auto or off, or run one process (hardware.gpus=1 for a plan)")
     local = copy.deepcopy(cfg)
+    local.engine.norm_pass = "off"
     local.train.grad_accum = cfg.train.grad_accum // dp.world
     local.hardware.nvme_gib = cfg.hardware.nvme_gib / dp.local_world  # the ranks of a host share its disk
     if cfg.engine.name == "stream" and cfg.engine.shard_state:

@@ -53,6 +53,10 @@ class Placement:
     # bf16 gradient formats: the held gradients of the last N GPU-streamed units wait for their update in pinned host
     # memory instead of GPU memory (out over D2H in the backward, in beside the unit's state at its update)
     host_grad_units: int = 0
+    # clip without holding gradients: a first backward takes the global norm only, a second computes the gradients
+    # again and updates each unit as soon as its gradient is finished (GPU-updated units in the backward; host
+    # units' gradients go to the host as always). No gradient waits for the norm; one more head and backward a step
+    norm_pass: bool = False
 
     def __post_init__(self):
         for name in ("activation_tier", "grads_tier"):
@@ -65,6 +69,13 @@ class Placement:
                 or self.keep_activation_layers + self.kept_attention_layers > self.num_layers \
                 or self.recompute_group < 1 or self.slots < 1:
             raise ValueError(f"not a placement of {self.n_units} units: {self}")
+        if self.norm_pass and (self.keep_activation_layers or self.kept_attention_layers or self.cache_weights
+                               or self.host_grad_units or self.grads_tier != "host"):
+            # what the first backward would consume (kept graphs and attention outputs) or what would hold
+            # gradients (their GPU tier, host-held bf16 copies) has no place in a step that holds none
+            raise ValueError("a norm pass recomputes every layer and holds no gradient: it needs "
+                             "keep_activation_layers=0, kept_attention_layers=0, cache_weights=off, "
+                             f"host_grad_units=0 and grads_tier=host; got {self}")
 
     @property
     def num_layers(self) -> int:
@@ -115,8 +126,10 @@ class Placement:
         return "streamed" if unit in self.streamed_units else "host"
 
     def as_dict(self) -> Dict[str, object]:
-        """The `engine.*` settings that reproduce this placement (cache_weights as on/off), for logs and records."""
+        """The `engine.*` settings that reproduce this placement (cache_weights and norm_pass as on/off), for logs and
+        records."""
         out = asdict(self)
         del out["n_units"]
         out["cache_weights"] = "on" if self.cache_weights else "off"
+        out["norm_pass"] = "on" if self.norm_pass else "off"
         return out

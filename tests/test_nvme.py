@@ -158,13 +158,17 @@ def test_file_removed_under_the_run_is_an_error(tmp_path):
 
 
 def test_planner_moves_only_the_layers_the_host_needs(tmp_path):
-    """qwen14b in fp32 on the H200 profile: refused on the host alone; with 60 GiB of disk it fits, the moments of
-    the last host-updated layers on disk (not the head), the host within its budget."""
+    """qwen14b in fp32 on the H200 profile: refused on the host alone with the gradients held (a norm pass, which
+    holds only the host-updated units', fits there); with 60 GiB of disk it fits holding them, the moments of the
+    last host-updated layers on disk (not the head), the host within its budget."""
     common = ["model=qwen14b", "hardware=h200", "plan=true", "engine=stream", "train=bench", *FP32]
-    cfg = make_cfg(common)
+    cfg = make_cfg([*common, "engine.norm_pass=off"])
     spec = ModelSpec(cfg.model)
     alone = build_plan(spec, cfg, cfg.hardware.gpu_mem_gib, 125.0, on_gpu=True, check=False)
     assert "host memory" in alone.problem()
+    cfg = make_cfg(common)
+    norm_pass = build_plan(spec, cfg, cfg.hardware.gpu_mem_gib, 125.0, on_gpu=True, check=False)
+    assert not norm_pass.problem() and norm_pass.placement.norm_pass
     cfg = make_cfg([*common, f"hardware.nvme_dir={tmp_path}", "hardware.nvme_gib=60", "hardware.nvme_gbps=2"])
     plan = build_plan(spec, cfg, cfg.hardware.gpu_mem_gib, 125.0, on_gpu=True)
     n = plan.placement.nvme_units

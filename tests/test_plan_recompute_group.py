@@ -84,7 +84,7 @@ def test_an_explicit_group_size_is_kept_and_one_that_does_not_fit_is_refused():
 
 def test_a_refusal_at_every_group_size_says_so_and_names_the_formats_that_fit_with_theirs():
     """Eager qwen7b with the plain layer at 512K in fp32 state fits at no g; smaller formats do, each with the g it
-    needs."""
+    needs (and the norm pass where only it fits)."""
     with pytest.raises(PlanError) as e:
         _plan(["train.compile=off", "train.lean_layer=off"], check=True)
     message = str(e.value)
@@ -92,7 +92,8 @@ def test_a_refusal_at_every_group_size_says_so_and_names_the_formats_that_fit_wi
         in message
     assert "recompute_group=1," in message  # the plan shown is the one that keeps every input
     suggestions = [line for line in message.splitlines() if "fits with train.master_dtype=" in line]
-    assert suggestions and all(re.search(r"engine\.recompute_group=\d+: host [\d.]+ GiB, GPU [\d.]+ GiB"
+    assert suggestions and all(re.search(r"engine\.recompute_group=\d+( engine\.norm_pass=on)?: host [\d.]+ GiB, "
+                                         r"GPU [\d.]+ GiB"
                                          r"( \(int8 gradients train worse .*\))?$", line) for line in suggestions), suggestions
 
 

@@ -47,6 +47,10 @@ PLACEMENTS = {
                                "engine.gpu_streamed_units=2", "engine.grads_tier=host", "engine.cache_weights=off"],
     "recompute-groups-of-2-host-activations": ["engine.recompute_group=2", "engine.activation_tier=host",
                                                "engine.grads_tier=host", "engine.cache_weights=off"],
+    # two backwards a step, updates queued in the second on the compute and H2D streams: a race (an update before
+    # its gradient's last add, a load before the update's D2H landed) moves the weights by whole updates
+    "norm-pass-1-resident-3-streamed": ["engine.norm_pass=on", "engine.gpu_resident_units=1",
+                                        "engine.gpu_streamed_units=3", "engine.keep_activation_layers=0"],
 }
 LOSS_ATOL, WEIGHT_ATOL = 1e-4, 1e-4
 
@@ -100,7 +104,8 @@ def bf16_reference(oracle):
 
 # every placement eager; compiled templates (the CUDA default) on two, as each compile costs a minute
 BF16_CASES = [("off", p) for p in sorted(PLACEMENTS)] + [("on", "auto"), ("on", "host-grads-no-gpu-units"),
-                                                         ("on", "1-resident-3-streamed-host-grads")]
+                                                         ("on", "1-resident-3-streamed-host-grads"),
+                                                         ("on", "norm-pass-1-resident-3-streamed")]
 
 
 @pytest.mark.parametrize("compile_mode, placement", BF16_CASES)
@@ -141,6 +146,9 @@ FORMAT_CASES = {  # a low-precision state format (engine/formats.py) and a place
                                          "train.grad_dtype=bf16"],
                                         ["engine.gpu_resident_units=1", "engine.keep_activation_layers=2",
                                          "engine.cache_weights=off"]),
+    "int8-fp32-grads-norm-pass": (["train.master_dtype=bf16", "train.moments_dtype=int8", "train.grad_dtype=fp32"],
+                                  ["engine.norm_pass=on", "engine.gpu_resident_units=1",
+                                   "engine.keep_activation_layers=0"]),
 }
 
 

@@ -54,6 +54,17 @@ the plan fits wins (the extra forwards grow with g). A g that a bound rules out 
 one group, the host whatever of the state, the kept inputs and the gradients the rest of HBM cannot) is skipped
 without a search; a refusal shows the g = 1 plan and says that no g fitted.
 
+Norm pass (`engine.norm_pass`, `Placement.norm_pass`: clipping without holding gradients). A first backward takes
+only the global norm, a second computes the gradients again and updates each unit as soon as its gradient is
+finished, so no gradient waits for the norm: the GPU holds the shared accumulators (embedding, head, two layers)
+and no held copy or per-unit accumulator, the host only the host-updated units' gradients (which wait for the host
+AdamW as without it); fp32 gradients, nothing kept or cached, one process. Time: one more head and backward (their
+weights streamed again), the GPU-streamed units' state traffic moved from the next forward into the second backward,
+that forward loading their weights plainly. With `auto` every placement (and, for `auto` state formats, every
+format) is first planned holding the gradients, exactly as without the setting; only where nothing fits is the
+search run again with a norm pass (its layer inputs may go to the host where on the GPU they leave no split room),
+and taken when it fits. A plan of several data-parallel ranks never takes it (`on` is refused there).
+
 Time. `predict_stream` models one step from the calibrated figures of the hardware profile (python -m engine.calibrate
 measures them on the machine, for compiled and for eager templates: the planner uses the mode the run executes in,
 never a figure fitted on the run it predicts): layer forward and backward (recompute included) TFLOPS, the head's,

@@ -12,7 +12,7 @@ from engine.formats import AUTO_GRAD_DTYPES, FIELDS, StateFormat, all_formats, c
 from engine.plan.memory import GIB, MemoryPlan, PlanError
 from engine.plan.micro_batches import choose_micro_batches
 from engine.plan.reference import reference_plan
-from engine.plan.stream import StreamPlanner
+from engine.plan.stream import StreamPlanner, data_parallel_ranks, norm_pass_allowed, norm_pass_unfit_note
 
 
 def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: bool = True,
@@ -91,6 +91,7 @@ def _explain_refusal(spec, cfg, gpu_gib: float, host_gib: float, plan: MemoryPla
     ex = plan.execution
     plan.suggestions = formats_that_fit(spec, cfg, gpu_gib, host_gib, ex, plan.state_format, state_ranks)
     plan.notes.extend(in_process_compile_fits(spec, cfg, gpu_gib, host_gib, ex, state_ranks))
+    plan.notes.extend(norm_pass_fits(spec, cfg, gpu_gib, host_gib, ex, state_ranks))
 
 
 def _plan_of(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, state_ranks: int) -> MemoryPlan:
@@ -138,31 +139,49 @@ def _execution_choice_line(options: Sequence[Execution], plans: Sequence[MemoryP
     return f"train.lean_layer=auto: {name(options[taken])} ({planned(plans[taken])} planned; {others})"
 
 
+def _norm_pass_rounds(cfg, candidates: Sequence[StateFormat], state_ranks: int) -> List[Tuple[str, list]]:
+    """The rounds of the state-format choice: (the norm pass's mode to plan with, the formats to try in it). A
+    norm pass holds no gradient, so it plans fp32 gradients only; with `engine.norm_pass=auto` every format is
+    tried without it first (a step without it is the shorter), and it is tried only where none fits that way."""
+    fp32_grads = [fmt for fmt in candidates if fmt.grad == "fp32"]
+    mode = cfg.engine.norm_pass if cfg.engine.name == "stream" else "off"
+    if mode == "on":
+        return [("on", fp32_grads)]
+    if mode == "auto" and fp32_grads and norm_pass_allowed(cfg.engine) \
+            and data_parallel_ranks(cfg, state_ranks) == 1:
+        return [("off", list(candidates)), ("on", fp32_grads)]
+    return [("off", list(candidates))]
+
+
 def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution,
                         state_ranks: int = 1) -> Tuple[str, Optional[MemoryPlan]]:
     """Resolve `train.master_dtype/moments_dtype/grad_dtype=auto` in `cfg`: the most precise format the set fields
-    allow with which the engine's plan fits (all-fp32 only where a setting needs exact state). When none fits, the
-    most precise one is kept and the plan's refusal names it and what would fit. Returns a line for the start banner
+    allow with which the engine's plan fits (all-fp32 only where a setting needs exact state), holding the
+    gradients where any format fits so, else with a norm pass (`_norm_pass_rounds`). When none fits, the most
+    precise one is kept and the plan's refusal names it and what would fit. Returns a line for the start banner
     ('' when every field was set) and the chosen format's plan where it was made here (a plan takes seconds: the
     caller need not make it again), else None."""
     t = cfg.train
     if not format_is_open(t):
         return "", None
     candidates = candidate_formats(t, exact_only=exact_state_required(cfg))
-    chosen = None
-    plans = {}  # the plan of each format planned
+    chosen, chosen_mode, tried = None, "off", 0
+    plans = {}  # the plan of each (format, norm pass mode) planned
     numel = spec.num_params()
-    for tried, fmt in enumerate(candidates, 1):
-        # master and moments live on the host or the GPU (without an NVMe tier): a format whose state alone
-        # exceeds both cannot fit, and is skipped without planning it
-        if not cfg.hardware.nvme_dir and fmt.state_bytes(numel) / state_ranks > (host_gib + gpu_gib) * GIB:
-            continue
-        try:
-            plan = plans[fmt] = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks)
-        except PlanError:  # the config fixes a placement this format cannot take
-            continue
-        if not plan.problem():
-            chosen = fmt
+    for mode, formats in _norm_pass_rounds(cfg, candidates, state_ranks):
+        for tried, fmt in enumerate(formats, 1):
+            # master and moments live on the host or the GPU (without an NVMe tier): a format whose state alone
+            # exceeds both cannot fit, and is skipped without planning it
+            if not cfg.hardware.nvme_dir and fmt.state_bytes(numel) / state_ranks > (host_gib + gpu_gib) * GIB:
+                continue
+            try:
+                plan = plans[fmt, mode] = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks, mode)
+            except PlanError:  # the config fixes a placement this format cannot take
+                continue
+            if not plan.problem():
+                chosen, chosen_mode = fmt, mode
+                break
+        if chosen:
             break
     fits = chosen is not None
     chosen = chosen or candidates[0]
@@ -170,15 +189,21 @@ def choose_state_format(spec, cfg, gpu_gib: float, host_gib: float, ex: Executio
     why = ("the most precise that fits" if tried == 1 else
            f"the most precise that fits ({tried - 1} more precise do not)") if fits else \
         "none of the allowed formats fits; planning the most precise"
-    return f"state format: {chosen.overrides()} ({why}; train.*_dtype=auto)", plans.get(chosen)
+    if fits and chosen_mode == "on" and cfg.engine.norm_pass == "auto":
+        why += " with a norm pass, none fitting with the gradients held"
+    plan = plans.get((chosen, chosen_mode))
+    if not fits and (chosen, "on") in plans and plan is not None:  # the refusal shows the hold, and what else it tried
+        plan.notes.append(norm_pass_unfit_note(plans[chosen, "on"]))
+    return f"state format: {chosen.overrides()} ({why}; train.*_dtype=auto)", plan
 
 
 def _engine_plan(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, fmt: StateFormat,
-                 state_ranks: int) -> MemoryPlan:
-    """The unchecked plan of `cfg.engine` in the state format `fmt`."""
+                 state_ranks: int, norm_pass: Optional[str] = None) -> MemoryPlan:
+    """The unchecked plan of `cfg.engine` in the state format `fmt` (`norm_pass`: the stream engine's norm pass
+    mode in place of engine.norm_pass)."""
     if cfg.engine.name == "reference":
         return reference_plan(spec, cfg, gpu_gib, host_gib, ex, fmt)
-    return StreamPlanner(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks).plan()
+    return StreamPlanner(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks, norm_pass).plan()
 
 
 def in_process_compile_fits(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution,
@@ -199,27 +224,58 @@ def in_process_compile_fits(spec, cfg, gpu_gib: float, host_gib: float, ex: Exec
             f"GiB, GPU {plan.total('gpu') / GIB:.1f} GiB."]
 
 
+def norm_pass_fits(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, state_ranks: int) -> List[str]:
+    """For a refusal of a run that did not plan a norm pass (`engine.norm_pass=off`, or auto with a held gradient
+    format set): a note when the plan fits with one (with fp32 gradients), else nothing."""
+    fmt = StateFormat.of(cfg.train)
+    planned = cfg.engine.norm_pass == "on" or (cfg.engine.norm_pass == "auto" and fmt.grad == "fp32")
+    if cfg.engine.name != "stream" or planned or not norm_pass_allowed(cfg.engine) \
+            or data_parallel_ranks(cfg, state_ranks) > 1:
+        return []
+    fp32_grads = replace(fmt, grad="fp32")
+    try:
+        plan = _engine_plan(spec, cfg, gpu_gib, host_gib, ex, fp32_grads, state_ranks, "on")
+    except PlanError:
+        return []
+    if plan.problem():
+        return []
+    grads = "" if fmt.grad == "fp32" else " train.grad_dtype=fp32"
+    step = plan.times_s.get("step")
+    step_text = f", {step:.1f} s a step planned" if step else ""
+    return [f"With engine.norm_pass=on{grads} (clip without holding gradients: one more head and backward a "
+            f"step{step_text}) it fits: host {plan.total('host') / GIB:.1f} GiB, GPU "
+            f"{plan.total('gpu') / GIB:.1f} GiB."]
+
+
 def formats_that_fit(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, current: StateFormat,
                      state_ranks: int, limit: int = 3) -> List[str]:
     """For a refusal: up to `limit` smaller state formats with which the streaming engine's plan fits (the most
-    precise first), each with its host and GPU totals; the rest of the config is kept, the sharding too."""
+    precise first, those that fit holding the gradients before those that need a norm pass, as `auto` would take
+    them: `_norm_pass_rounds`), each with its host and GPU totals; the rest of the config is kept, the sharding
+    too."""
     found = []
-    for fmt in all_formats(current.block_size):
-        if fmt.bytes_per_param() >= current.bytes_per_param():
-            continue
-        try:
-            plan = StreamPlanner(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks).plan()
-        except PlanError:  # the config fixes a placement this format cannot take
-            continue
-        if not plan.problem():
-            engine = "engine=stream " if cfg.engine.name != "stream" else ""
-            g = plan.placement.recompute_group
-            groups = f" engine.recompute_group={g}" if g > 1 else ""
-            below_bar = "" if fmt.grad in AUTO_GRAD_DTYPES else \
-                (" (int8 gradients train worse than bf16 ones on real text, outside the quality bar: "
-                 "bench/results/formats-quality.md; auto never takes them)")
-            found.append(f"model={cfg.model.name}: fits with {engine}{fmt.overrides()}{groups}: "
-                         f"host {plan.total('host') / GIB:.1f} GiB, GPU {plan.total('gpu') / GIB:.1f} GiB{below_bar}")
+    smaller = [fmt for fmt in all_formats(current.block_size) if fmt.bytes_per_param() < current.bytes_per_param()]
+    for mode, formats in _norm_pass_rounds(cfg, smaller, state_ranks):
+        for fmt in formats:
             if len(found) == limit:
-                break
+                return found
+            try:
+                plan = StreamPlanner(spec, cfg, gpu_gib, host_gib, ex, fmt, state_ranks, mode).plan()
+            except PlanError:  # the config fixes a placement this format cannot take
+                continue
+            if not plan.problem():
+                found.append(_fitting_format_line(cfg, fmt, plan))
     return found
+
+
+def _fitting_format_line(cfg, fmt: StateFormat, plan: MemoryPlan) -> str:
+    """One line of `formats_that_fit`: the settings with which `plan` (in `fmt`) fits, and its totals."""
+    engine = "engine=stream " if cfg.engine.name != "stream" else ""
+    g = plan.placement.recompute_group
+    placement = (f" engine.recompute_group={g}" if g > 1 else "") + (
+        " engine.norm_pass=on" if plan.placement.norm_pass else "")
+    below_bar = "" if fmt.grad in AUTO_GRAD_DTYPES else \
+        (" (int8 gradients train worse than bf16 ones on real text, outside the quality bar: "
+         "bench/results/formats-quality.md; auto never takes them)")
+    return (f"model={cfg.model.name}: fits with {engine}{fmt.overrides()}{placement}: "
+            f"host {plan.total('host') / GIB:.1f} GiB, GPU {plan.total('gpu') / GIB:.1f} GiB{below_bar}")

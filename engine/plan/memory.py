@@ -119,6 +119,8 @@ class MemoryPlan:
             lines.append(self.grad_accum_choice)
         if self.placement:
             lines.append("placement: " + ", ".join(f"{k}={v}" for k, v in self.placement_settings().items()))
+            if self.placement.norm_pass:
+                lines.append(self.norm_pass_line())
         if self.times_s:
             lines.append("predicted step: " + ", ".join(f"{k} {v:.3f}s" for k, v in self.times_s.items())
                          + f"; bound by {self.binding}")
@@ -126,6 +128,15 @@ class MemoryPlan:
             if self.link_bound_ratio() > 1.0:
                 lines.append(self.link_bound_line())
         return "\n".join(lines)
+
+    def norm_pass_line(self) -> str:
+        """What a plan with a norm pass does differently, and its predicted cost."""
+        cost = self.times_s.get("norm_pass")
+        of_step = f" ({cost:.1f} s of the {self.times_s['step']:.1f} s step)" if cost else ""
+        streamed = ", each GPU-streamed unit's update in the second backward" \
+            if self.placement and self.placement.gpu_streamed_units else ""
+        return ("norm pass (engine.norm_pass): clip without holding gradients: one more head and backward a step"
+                f"{of_step}{streamed}")
 
     def link_bound_ratio(self) -> float:
         """How many times longer the forward's weight stream (H2D) takes than its compute (0 without times): above

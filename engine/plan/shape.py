@@ -140,13 +140,14 @@ class StepShape:
         rank holding the most of them."""
         return self._held_bytes(n_res, self.host_grad_units(n_res, n_gpu_updated - n_res, n_host_grads))
 
-    def split_bytes(self, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool) -> int:
+    def split_bytes(self, n_res: int, n_str: int, grads_on_gpu: bool, cached: bool, norm_pass: bool = False) -> int:
         """GPU bytes the update places take beyond the fixed working set: resident state (+ the resident layers' own
-        slots and accumulators), streamed staging (+ the streamed layers' accumulators)."""
-        key = (n_res, n_str, grads_on_gpu, cached)
+        slots and accumulators), streamed staging (+ the streamed layers' accumulators). With a norm pass no unit
+        has an accumulator of its own: every gradient is finished in the shared ones and used at once."""
+        key = (n_res, n_str, grads_on_gpu, cached, norm_pass)
         if key not in self._split:
             nbytes = self.resident_state_bytes(n_res) + self.staging_bytes(n_res, n_str)
-            if not grads_on_gpu:
+            if not grads_on_gpu and not norm_pass:
                 nbytes += self.own_accumulator_bytes(n_res, n_res + n_str)
             if not cached:
                 nbytes += self.own_slot_bytes(n_res)

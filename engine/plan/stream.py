@@ -24,6 +24,29 @@ from engine.streaming.slots import STAGING_ELEMS
 
 Candidate = Tuple[Placement, float]  # a placement that fits HBM, and the GPU bytes it leaves free
 
+# what a norm pass's search takes for the engine settings it needs (its first backward consumes nothing the forward
+# kept but the layer inputs, and nothing holds a gradient): `Placement` checks the same
+NORM_PASS_SETTINGS = {"keep_activation_layers": 0, "kept_attention_layers": 0, "cache_weights": "off",
+                      "grads_tier": "host", "host_grad_units": 0}
+
+
+def norm_pass_allowed(e) -> bool:
+    """Whether the engine settings `e` leave a norm pass possible: none of NORM_PASS_SETTINGS fixed otherwise."""
+    return e.keep_activation_layers in (-1, 0) and e.kept_attention_layers in (-1, 0) \
+        and e.cache_weights != "on" and e.grads_tier != "gpu" and e.host_grad_units in (-1, 0)
+
+
+def data_parallel_ranks(cfg, state_ranks: int) -> int:
+    """The data-parallel ranks a plan is made for: the ranks the state is sharded over, or with `plan=true` the
+    profile's `hardware.gpus` (whose ranks share the state when engine.shard_state=false)."""
+    return state_ranks if state_ranks > 1 else (cfg.hardware.gpus if cfg.get("plan") else 1)
+
+
+def norm_pass_unfit_note(plan: MemoryPlan) -> str:
+    """For a refusal under engine.norm_pass=auto: what the plan with a norm pass, tried too, needed."""
+    return (f"With a norm pass (engine.norm_pass=auto: no gradient held, one more head and backward a step) it does "
+            f"not fit either: GPU {plan.total('gpu') / GIB:.1f} GiB, host {plan.total('host') / GIB:.1f} GiB.")
+
 
 def _take(extra_gpu_bytes: float, forced: str, free: float) -> Tuple[bool, float]:
     """Whether an optional GPU placement is made (`forced`: gpu | host | auto, auto when the bytes are free), and
@@ -33,10 +56,12 @@ def _take(extra_gpu_bytes: float, forced: str, free: float) -> Tuple[bool, float
 
 
 def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool, nbytes: Dict[str, float],
-                gpu_grad_bytes: Callable[[int], int]) -> Tuple[List[Candidate], Placement]:
+                gpu_grad_bytes: Callable[[int], int], norm_pass: bool) -> Tuple[List[Candidate], Placement]:
     """(every split that fits with `n_kept` kept graphs and recompute groups of `g`, the forced placement of the
     first split). HBM left after the fixed working set is spent in the package docstring's order. `gpu_grad_bytes`:
-    the gradients on the GPU with their tier there, by GPU-resident units (`StreamPlanner.gpu_grad_bytes`)."""
+    the gradients on the GPU with their tier there, by GPU-resident units (`StreamPlanner.gpu_grad_bytes`).
+    `norm_pass`: the step clips by a norm pass, which holds no gradient anywhere (`e` then has the settings it
+    needs: nothing kept or cached, the gradients' tier the host)."""
     host_free = nbytes["host_free"]
     # a recompute group's inputs wait where the activations live: the whole group on the GPU, or all but its kept
     # input on the host, with one input fetched ahead on the GPU
@@ -46,17 +71,17 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
         free -= nbytes["fetched"]
     # the host cannot hold them (or the config says gpu): they outrank everything below (with sharded state what
     # a rank holds on the GPU depends on the split, so they are taken split by split, from the same free bytes)
-    grads_first = nbytes["grad_host"] > host_free or e.grads_tier == "gpu"
+    grads_first = not norm_pass and (nbytes["grad_host"] > host_free or e.grads_tier == "gpu")
     base = Placement(n_units=len(s.layouts), slots=min(e.slots, s.L), keep_activation_layers=n_kept,
                      recompute_group=g, activation_tier="gpu" if acts_on_gpu else "host",
-                     cache_weights=e.cache_weights == "on")
+                     cache_weights=e.cache_weights == "on", norm_pass=norm_pass)
 
     def complete(n_res: int, n_str: int, force: bool = False) -> Optional[Candidate]:
         """The placement with this split and the rest of HBM spent (weights cached, gradients), or None when the
         split does not fit (unless `force`: the config fixed it, or nothing fits and the plan will say so)."""
         grads_on_gpu, left = _take(gpu_grad_bytes(n_res) - nbytes["side_grad"], e.grads_tier, free) \
             if grads_first else (False, free)
-        left -= s.split_bytes(n_res, n_str, grads_on_gpu, base.cache_weights)
+        left -= s.split_bytes(n_res, n_str, grads_on_gpu, base.cache_weights, norm_pass)
         n_host_grads = 0
         if s.fmt.grad == "bf16" and not grads_on_gpu and n_str:  # held bf16 gradients may wait on the host
             n_host_grads = min(e.host_grad_units, n_str) if e.host_grad_units >= 0 else (
@@ -69,7 +94,8 @@ def _placements(s: StepShape, e, n_kept: int, g: int, splits, fixed_split: bool,
             cached, left = _take(nbytes["cache"] - nbytes["ring"] - s.own_slot_bytes(n_res),
                                  "host" if e.cache_weights == "off" else "auto", left)
         grads_tier = "gpu" if grads_on_gpu else "host"
-        if not grads_first and not n_host_grads:  # held gradients sent to the host keep the gradients' tier there
+        # held gradients sent to the host keep the gradients' tier there; a norm pass holds none
+        if not grads_first and not n_host_grads and not norm_pass:
             on, left = _take(gpu_grad_bytes(n_res) - nbytes["side_grad"]
                              - s.own_accumulator_bytes(n_res, n_res + n_str), e.grads_tier, left)
             grads_tier = "gpu" if on else "host"
@@ -101,10 +127,12 @@ class StreamPlanner:
     placements (or, on a CPU, takes the configured one) and returns the chosen one's rows and predicted step."""
 
     def __init__(self, spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, fmt: StateFormat,
-                 state_ranks: int = 1):
+                 state_ranks: int = 1, norm_pass: Optional[str] = None):
         # the engine config as plain attributes: the placement search reads it some 10^5 times, and an OmegaConf
         # attribute read costs ~40 us (half the search's time on a qwen3b plan)
         self.e = SimpleNamespace(**OmegaConf.to_container(cfg.engine, resolve=True))
+        self.norm_pass = self._norm_pass_mode(norm_pass or self.e.norm_pass, fmt,
+                                              data_parallel_ranks(cfg, state_ranks), cfg.hardware.gpus)
         self.spec, self.hw, self.fmt = spec, cfg.hardware, fmt
         self.nvme_gib = self.hw.nvme_gib if self.hw.nvme_dir else 0.0
         self.gpu_gib, self.host_gib, self.on_gpu, self.state_ranks = gpu_gib, host_gib, ex.on_gpu, state_ranks
@@ -134,6 +162,8 @@ class StreamPlanner:
         self.working_set_rows = [
             ("H2D staging buffer (fp32)", 4 * min(STAGING_ELEMS, max(lay.cast_numel for lay in layouts))),
             ("embedding + head slots", s.slot_bytes(layouts[0]) + s.slot_bytes(layouts[-1])),
+            # both live at once in the backward; with a norm pass through its first backward too, the residual
+            # stream being the head input its second head reads
             ("residual stream + its gradient, all micro-batches", 2 * 4 * s.h * s.step_tokens),
             ("working activations (one layer, or the loss chunk)", s.act)]
         self.kept_graph_bytes = s.kept_graph_bytes
@@ -143,6 +173,23 @@ class StreamPlanner:
         # the host AdamW updates fp32 state only: a low-precision format puts every unit on the GPU for its update
         self.gpu_updated_only = not fmt.exact
         self._check_fixed_split()
+
+    def _norm_pass_mode(self, asked: str, fmt: StateFormat, ranks: int, gpus: int) -> str:
+        """The norm pass's mode, `asked` (engine.norm_pass, or what the state-format choice plans) checked against
+        what a norm pass needs, fp32 gradients and one process: on is refused without them, auto is off."""
+        if ranks > 1:
+            blocker = (f"this plan is one of {ranks} data-parallel ranks (hardware.gpus={gpus} with plan=true, or "
+                       "torchrun's ranks), and the norm pass runs in one process only; set engine.norm_pass=auto "
+                       "or off, or hardware.gpus=1")
+        else:
+            blocker = "" if fmt.grad == "fp32" else (
+                f"it holds no gradient, so train.grad_dtype={fmt.grad} (a held copy's format) has no place in it; "
+                "set train.grad_dtype=fp32 or auto, or engine.norm_pass=auto or off")
+        if asked == "on" and blocker:
+            raise PlanError(f"engine.norm_pass=on: {blocker}")
+        if asked == "auto" and (blocker or not norm_pass_allowed(self.e)):
+            return "off"
+        return asked
 
     def gpu_grad_bytes(self, n_res: int) -> int:
         """The gradients on the GPU with the gradients' tier there, on the rank holding the most (`n_res`
@@ -288,9 +335,18 @@ class StreamPlanner:
                 plan.add("host", f"pinned gradient staging ({s.grad_transfer}, 2 x largest host-updated unit)",
                          2 * s.transfer_bytes(largest_host))
         else:
-            plan.add("host", f"{s.grad_transfer} gradients of host-updated units until the global norm is known",
-                     s.transfer_bytes(sum(layouts[u].numel for u in held if u >= n_gpu)))
-            if fmt.grad == "fp32":
+            host_updated = s.transfer_bytes(sum(layouts[u].numel for u in held if u >= n_gpu))
+            if placement.norm_pass:
+                if host_updated:  # they wait for the host AdamW after the step, as without a norm pass
+                    plan.add("host", f"{s.grad_transfer} gradients of host-updated units until the host AdamW",
+                             host_updated)
+                # every gradient is finished in these and used at once (or sent to the host)
+                plan.add(tier, "accumulators: embedding, head, 2 layers (fp32), the norm pass's only gradients",
+                         self.side_grad_bytes)
+            else:
+                plan.add("host", f"{s.grad_transfer} gradients of host-updated units until the global norm is known",
+                         host_updated)
+            if fmt.grad == "fp32" and not placement.norm_pass:
                 plan.add(tier, f"accumulators: embedding, head, 2 layers (fp32); GPU-updated layers ({fmt.grad})",
                          self.side_grad_bytes + s.own_accumulator_bytes(n_res, n_gpu))
         if fmt.grad != "fp32":  # whatever the tier: the shared accumulators and the copies held for the updates
@@ -396,14 +452,27 @@ class StreamPlanner:
             kept_attention_layers=min(max(0, e.kept_attention_layers), self.L - max(0, e.keep_activation_layers))
             if self.s.lean else 0,
             host_grad_units=min(max(0, e.host_grad_units), self.streamed_default(n_res), self.n_units - n_res)
-            if self.fmt.grad == "bf16" and e.grads_tier != "gpu" else 0))
+            if self.fmt.grad == "bf16" and e.grads_tier != "gpu" else 0, norm_pass=self.norm_pass == "on"))
+
+    def gpu_placement(self) -> Tuple[Placement, str]:
+        """(the placement, a note for a refusal) of the search on a GPU in the norm pass's mode: off or on, one
+        search; auto, the search that holds the gradients first and, only when nothing fits with it, the search with
+        a norm pass, taken when it fits (a refusal then shows the first and says what the second needed)."""
+        placement, unfit_note = _GpuSearch(self, norm_pass=self.norm_pass == "on").run()
+        if self.norm_pass != "auto" or not self.rows_for(placement).problem():
+            return placement, unfit_note
+        norm_pass, norm_pass_note = _GpuSearch(self, norm_pass=True).run()
+        rows = self.rows_for(norm_pass)
+        if not rows.problem():
+            return norm_pass, norm_pass_note
+        return placement, (f"{unfit_note} " if unfit_note else "") + norm_pass_unfit_note(rows)
 
     def plan(self) -> MemoryPlan:
         unfit_note = ""
         if not self.on_gpu:
             placement = self.cpu_placement()
         else:
-            placement, unfit_note = _GpuSearch(self).run()
+            placement, unfit_note = self.gpu_placement()
         plan = self.rows_for(placement)
         if unfit_note:
             plan.notes.append(unfit_note)
@@ -417,9 +486,11 @@ class _GpuSearch:
     """The search over splits, kept-graph counts and recompute groups for a run on a GPU: the fastest predicted
     placement that fits both tiers, else the closest one (for the refusal to show)."""
 
-    def __init__(self, planner: StreamPlanner):
+    def __init__(self, planner: StreamPlanner, norm_pass: bool):
         p = self.p = planner
-        e, n_units = p.e, p.n_units
+        self.norm_pass = norm_pass
+        e = self.e = SimpleNamespace(**{**vars(p.e), **NORM_PASS_SETTINGS}) if norm_pass else p.e
+        n_units = p.n_units
         self.splits = [(r, t) for r in ([min(e.gpu_resident_units, n_units)] if e.gpu_resident_units >= 0
                                         else range(n_units + 1))
                        for t in ([min(e.gpu_streamed_units, n_units - r)] if e.gpu_streamed_units >= 0
@@ -434,11 +505,11 @@ class _GpuSearch:
         self.fixed_bytes = {n_kept: sum(b for _, b in p.fixed_rows(n_kept)) for n_kept in self.kept_choices}
         # the process, the state and every gradient but the embedding's, the head's and two layers' (those are in
         # the shared accumulators), whichever tier holds them; with sharded state a rank's share of them, at least
-        # 1 / state_ranks (the GPU-resident units are on every rank), so that the bound stays a necessary condition
-        self.held_anyway = (p.process_bytes - p.nvme_room
-                            + (sum(p.state_bytes) + p.fmt.grad_bytes(sum(lay.numel for lay in p.layouts[1:-1])
-                                                                     - min(2, p.L) * p.s.layer_numel))
-                            / p.state_ranks)
+        # 1 / state_ranks (the GPU-resident units are on every rank), so that the bound stays a necessary condition.
+        # A norm pass holds host-updated units' gradients only, which may be none
+        held_grads = 0 if norm_pass else p.fmt.grad_bytes(sum(lay.numel for lay in p.layouts[1:-1])
+                                                          - min(2, p.L) * p.s.layer_numel)
+        self.held_anyway = p.process_bytes - p.nvme_room + (sum(p.state_bytes) + held_grads) / p.state_ranks
 
     def hbm_left(self, n_kept: int) -> float:
         """GPU bytes beyond the fixed working set, the layer ring, the shared accumulators and the margin."""
@@ -451,17 +522,24 @@ class _GpuSearch:
         p = self.p
         candidates, fallback = [], None
         for n_kept in self.kept_choices:
-            found, forced = _placements(p.s, p.e, n_kept, g, self.splits, self.fixed_split, {
+            nbytes = {
                 "free": self.hbm_left(n_kept),
                 "host_free": p.host_gib * GIB - p.fullest_state_bytes - 2 * GIB + p.nvme_room,
                 "activation": p.activation_bytes(n_kept, g), "regenerated": p.regenerated_bytes(n_kept, g),
                 "regenerated_host": p.regenerated_host_bytes(n_kept, g), "fetched": p.fetched_input_bytes(),
                 "grad_host": p.fullest_grad_bytes, "side_grad": p.side_grad_bytes, "cache": p.cache_bytes,
-                "ring": p.ring_bytes}, p.gpu_grad_bytes)
+                "ring": p.ring_bytes}
+            found, forced = _placements(p.s, self.e, n_kept, g, self.splits, self.fixed_split, nbytes,
+                                        p.gpu_grad_bytes, self.norm_pass)
+            if not found and self.norm_pass and self.e.activation_tier == "auto":
+                # the layer inputs, given HBM first, may leave no split room where on the host they would; the
+                # norm pass is the last resort of a plan, so it tries that too
+                found, forced = _placements(p.s, SimpleNamespace(**{**vars(self.e), "activation_tier": "host"}),
+                                            n_kept, g, self.splits, self.fixed_split, nbytes, p.gpu_grad_bytes, True)
             if fallback is None:
                 fallback = forced
             candidates += found
-            if not found and p.e.keep_activation_layers < 0:
+            if not found and self.e.keep_activation_layers < 0:
                 break  # more kept graphs fit no better
         candidates = [(p.with_nvme(placement), free) for placement, free in candidates]
         return candidates, p.with_nvme(fallback), [c for c in candidates if not p.rows_for(c[0]).problem()]
@@ -484,7 +562,7 @@ class _GpuSearch:
 
     def run(self) -> Tuple[Placement, str]:
         """(the chosen placement, a note for a refusal when no recompute group fitted either)."""
-        p, e = self.p, self.p.e
+        p, e = self.p, self.e
         unfit_note = ""
         candidates, fallback, fitting = self.search(max(1, e.recompute_group))
         if e.recompute_group < 0 and not fitting:  # every input kept does not fit: the smallest group that does
@@ -501,4 +579,6 @@ class _GpuSearch:
         if chosen is None and candidates:  # nothing fits both tiers: the closest plan, for the refusal to show
             chosen = min(candidates, key=lambda c: p.rows_for(c[0]).overflow_bytes())
         placement, free = chosen if chosen else (fallback, 0.0)
+        if self.norm_pass:  # its first backward would consume kept attention outputs: none kept, no gradient held
+            return placement, unfit_note
         return p.with_kept_attention(p.fewest_host_grads(placement), free), unfit_note

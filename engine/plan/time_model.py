@@ -43,6 +43,14 @@ def predict_stream(s: StepShape, sp: Speeds, placement: Placement) -> Tuple[Dict
     again, the kept input brought in; on the host tier its regenerated inputs go out over D2H and come back one by
     one). The binding resource has the most busy time.
 
+    Norm pass (`placement.norm_pass`: clipping without holding gradients). A first backward (`norm_pass`: the head
+    and the layers' backward) takes the norm only: its transfers are the backward's weights and kept inputs, no
+    gradient goes out. The second (`head`, `backward`) updates each unit as its gradient is finished: a GPU-streamed
+    unit's master, m and v come in and go back in that backward beside its weights (the traffic a streamed update
+    otherwise has in the next forward; the embedding's and the head's, before and after the layers, hide behind no
+    compute), host-updated units' gradients go out as they do without it. The next forward then loads a GPU-streamed
+    unit's weights as it loads a host-updated one's, nothing going back.
+
     Sharded state (`s.state_ranks` > 1, engine/distributed.py): a unit's host update, its H2D and its gradient's D2H
     run on its owner's CPU and link, so each rank's AdamW clock and link are pipelines of their own (the ring's
     slots bound how many loads are in flight). The backward is the larger of its compute and the busiest link's
@@ -106,29 +114,38 @@ class StepTimer:
         layout = (n_res, n_res + placement.gpu_streamed_units,
                   self.n_units if placement.cache_weights else placement.slots,
                   placement.kept_layer_inputs if placement.activation_tier == "host" else range(0), on_disk,
-                  placement.host_grad_units_range.start)
+                  placement.host_grad_units_range.start, placement.norm_pass)
         if layout not in self._forwards:
             self._forwards[layout] = self._forward(*layout)
         t_fwd, host_adamw, h2d_busy, d2h_busy = self._forwards[layout]
-        backward, bwd_h2d, bwd_d2h = self._backward(placement, self.links(n_res))
+        link = self.links(n_res)
+        backward, bwd_h2d, bwd_d2h = self._backward(placement, link, grads_out=True)
+        norm_pass = 0.0
+        if placement.norm_pass:
+            first, first_h2d, first_d2h = self._backward(placement, link, grads_out=False)
+            norm_pass = self.head + first
+            bwd_h2d = [a + b for a, b in zip(bwd_h2d, first_h2d)]
+            bwd_d2h = [a + b for a, b in zip(bwd_d2h, first_d2h)]
         host_total = max(host_adamw)  # the busiest rank's
         times = {"forward": t_fwd, "forward_compute": self.forward_compute, "forward_h2d": max(h2d_busy),
                  "forward_d2h": max(d2h_busy), "head": self.head, "backward": backward,
                  "gpu_resident_adamw": self.resident_adam[n_res], "host_adamw": host_total,
                  "exposed_wait": t_fwd - self.forward_compute}
-        times["step"] = t_fwd + self.head + backward + self.resident_adam[n_res] + STEP_OVERHEAD_S
-        busy_by = {"GPU compute": self.forward_compute + self.head + backward,
+        if placement.norm_pass:
+            times["norm_pass"] = norm_pass
+        times["step"] = t_fwd + norm_pass + self.head + backward + self.resident_adam[n_res] + STEP_OVERHEAD_S
+        busy_by = {"GPU compute": self.forward_compute + norm_pass + self.head + backward,
                    "H2D": max(a + b for a, b in zip(h2d_busy, bwd_h2d)),
                    "D2H": max(a + b for a, b in zip(d2h_busy, bwd_d2h)),
                    "host AdamW" if not on_disk else "host AdamW + NVMe": host_total}
         return times, max(busy_by, key=busy_by.get)
 
     def _forward(self, n_res: int, n_gpu: int, slots: int, sent_inputs: range, on_disk: Tuple[int, ...],
-                 first_host_grad: int) -> Forward:
+                 first_host_grad: int, norm_pass: bool) -> Forward:
         """The forward's pipeline (`predict_stream`) with the first `n_res` units GPU-resident, the next ones up to
-        `n_gpu` GPU-streamed (from `first_host_grad` on with their held gradients coming in from the host), a ring
-        of `slots`, the inputs of layers `sent_inputs` (0-based) going to the host and the units `on_disk` in the
-        NVMe tier."""
+        `n_gpu` GPU-streamed (from `first_host_grad` on with their held gradients coming in from the host; with a
+        `norm_pass` already updated, their weights loaded as a host-updated unit's), a ring of `slots`, the inputs
+        of layers `sent_inputs` (0-based) going to the host and the units `on_disk` in the NVMe tier."""
         n_units, L, ranks, slow, link = self.n_units, self.L, self.ranks, self.slowdown, self.links(n_res)
         # the host AdamW updates its units (the last ones) in order from the start of the forward
         host_done, clock = [0.0] * n_units, [0.0] * ranks
@@ -147,7 +164,7 @@ class StepTimer:
             d2h_t = 0.0
             if u < n_res:
                 h2d_t = 0.0
-            elif u < n_gpu:  # streamed: master + m + v in, and back out, through the rank's two staging buffers
+            elif u < n_gpu and not norm_pass:  # streamed: master + m + v in, and out, through two staging buffers
                 if len(staged[r]) >= 2:
                     start = max(start, staged[r][-2])
                 h2d_t = d2h_t = self.streamed_s[u]
@@ -165,14 +182,17 @@ class StepTimer:
             for q in range(ranks):
                 d2h_prev[q] = max(d2h_prev[q], h2d_end[u]) + act_t + (d2h_t if q == r else 0.0)
                 d2h_busy[q] += act_t + (d2h_t if q == r else 0.0)
-            if n_res <= u < n_gpu:
+            if n_res <= u < n_gpu and not norm_pass:
                 staged[r].append(d2h_prev[r])
             h2d_busy[r] += h2d_t
             end[u] = end_prev = max(end_prev, h2d_end[u]) + self.compute[u]
         return Forward(end[-1], tuple(clock), tuple(h2d_busy), tuple(d2h_busy))
 
-    def _backward(self, placement: Placement, link: List[int]) -> Tuple[float, List[float], List[float]]:
-        """The backward (`predict_stream`): (its time, each rank's H2D and D2H busy time)."""
+    def _backward(self, placement: Placement, link: List[int],
+                  grads_out: bool) -> Tuple[float, List[float], List[float]]:
+        """The backward (`predict_stream`): (its time, each rank's H2D and D2H busy time). `grads_out`: it sends the
+        gradients (a norm pass's first backward does not), and with a norm pass it also carries the streamed
+        updates' state."""
         L, ranks, g, master_s = self.L, self.ranks, placement.recompute_group, self.master_s
         n_res, cached = placement.gpu_resident_units, placement.cache_weights
         n_gpu = n_res + placement.gpu_streamed_units
@@ -181,6 +201,7 @@ class StepTimer:
         activations_host = placement.activation_tier == "host"
         grads_host = placement.grads_tier == "host"
         host_grads = placement.host_grad_units_range
+        updates = placement.norm_pass and grads_out  # the streamed updates run in this backward
         backward, bwd_compute, bwd_h2d, bwd_d2h = 0.0, 0.0, [0.0] * ranks, [0.0] * ranks
         for u in range(1, L + 1):
             kept = u >= first_kept  # its graph was kept: no recompute, no reload of its weights or inputs
@@ -200,9 +221,12 @@ class StepTimer:
                     regenerated_out = len(others) * self.layer_input_bytes / self.d2h
                     for q in range(ranks):
                         h2d[q] += (1 + len(others)) * self.layer_input_bytes / self.h2d
-            grad_out = self.grad_out_s[u] if grads_host and u >= n_gpu else 0.0
+            grad_out = self.grad_out_s[u] if grads_out and grads_host and u >= n_gpu else 0.0
             if u in host_grads:
                 grad_out = self.held_grad_out_s[u]
+            if updates and n_res <= u < n_gpu:  # its state in and back out, at the rate of both directions at once
+                h2d[link[u]] += self.streamed_s[u]
+                grad_out += self.streamed_s[u]
             backward += max(layer_compute, max(h2d), grad_out + regenerated_out)
             bwd_compute += layer_compute
             for q in range(ranks):
@@ -210,6 +234,12 @@ class StepTimer:
             bwd_d2h[link[u]] += grad_out
             for q in range(ranks):
                 bwd_d2h[q] += regenerated_out
+        if updates:  # the head's update before the layers, the embedding's after them
+            for u in (L + 1, 0):
+                if n_res <= u < n_gpu:
+                    backward += self.streamed_s[u]
+                    bwd_h2d[link[u]] += self.streamed_s[u]
+                    bwd_d2h[link[u]] += self.streamed_s[u]
         if ranks > 1:  # the ranks' links work side by side: the busiest one, or the compute, sets the pace
             backward = max(bwd_compute, max(bwd_h2d), max(bwd_d2h))
         return backward, bwd_h2d, bwd_d2h

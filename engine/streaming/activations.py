@@ -78,9 +78,11 @@ class ActivationStore:
             ready.record(self.h2d)
         self.pending[(i, m)] = (x, ready)
 
-    def get(self, i: int, m: int) -> torch.Tensor:
+    def get(self, i: int, m: int, keep: bool = False) -> torch.Tensor:
+        """Entry (i, m) for compute. A GPU-tier entry is dropped from the store unless `keep` (a norm pass reads
+        every input twice); a host-tier one stays in its host entry (a spare goes back to the pool)."""
         if self.on_gpu:
-            return self.gpu.pop((i, m))
+            return self.gpu[(i, m)] if keep else self.gpu.pop((i, m))
         self.prefetch(i, m)
         x, ready = self.pending.pop((i, m))
         self.timer.wait(ready, "activation")

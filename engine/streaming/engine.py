@@ -40,6 +40,14 @@ One step over M micro-batches:
    accumulator (D2H, the optimizer's fetch, a GPU update) records an event that the next overwrite of that accumulator
    waits for (engine/streaming/gradients.py).
 
+Norm pass (`placement.norm_pass`, docs/design.md). Steps 2 and 3 run twice. The first time (`first_pass`) each
+unit's finished gradient gives its sums of squares and is dropped; kept layer inputs (GPU tier) and a MoE layer's
+kept routing stay for the second time, and the last layer's outputs stay for the second head. After the norm is read
+the second time runs and hands each finished gradient to its update at once (`_hand_off_grad`): GPU-resident units
+on the compute stream, GPU-streamed ones through `StreamedUpdater.update_now` (no slot; the next forward loads them
+from home), host-updated ones over D2H as above. No gradient is held, and GPU-updated layers share the ring of two
+accumulators. A skipped step runs no second time.
+
 The embedding and head are streamed like layers (their master weights and moments stay on the host, so a 24 GB
 GPU can train a 150K-vocabulary model), each into a slot of its own: they differ in size from a layer, and a ring
 slot sized for the embedding would waste that difference in every slot. The embedding stays fp32 (it feeds a lookup,
@@ -136,6 +144,11 @@ class StreamEngine:
         if placement.n_units != len(spec.units):
             raise ValueError(f"a placement of {placement.n_units} units for a model of {len(spec.units)}")
         self.placement = placement
+        # a norm pass (engine.norm_pass): a first backward takes the global norm only, a second updates each unit as
+        # its gradient is finished, so no gradient is held (`_gradients`); `first_pass` is true during the first
+        self.norm_pass, self.first_pass = placement.norm_pass, False
+        if self.norm_pass and dp.active:
+            raise ValueError("engine.norm_pass=on runs one process; under torchrun set engine.norm_pass=off")
         self.grads_on_gpu = placement.grads_tier == "gpu"
         self.cache_weights = placement.cache_weights
         activations_on_gpu = placement.activation_tier == "gpu"
@@ -167,6 +180,9 @@ class StreamEngine:
                               "units on the GPU (engine.gpu_resident_units + engine.gpu_streamed_units), so no "
                               "gradient goes to the host")
         self.fmt = StateFormat.of(t)
+        if self.norm_pass and self.fmt.grad != "fp32":
+            raise ValueError(f"engine.norm_pass=on holds no gradient, so it has no use for train.grad_dtype="
+                             f"{self.fmt.grad} (a held copy's format); use train.grad_dtype=fp32")
         if not self.fmt.exact and self.host_units:
             raise ValueError(f"{self.fmt.overrides()} is updated on the GPU only (the host AdamW runs fp32 state), "
                              f"but the placement leaves units {self.host_units[0]}..{self.host_units[-1]} to it")
@@ -276,8 +292,9 @@ class StreamEngine:
                                             home=self.store.grads[u] if u in self.host_held else None)
                          for u in range(n_units) if self.owns(u)}
         shared_layer_accs = not self.grads_on_gpu or self.holds_grads
-        # GPU-updated layers need their own accumulators only when the other layers share a ring
-        self.device_accs = {} if self.grads_on_gpu or self.holds_grads else {
+        # GPU-updated layers need their own accumulators only when the other layers share a ring and the updates
+        # wait for the norm (a norm pass updates each unit before the ring comes round to its accumulator again)
+        self.device_accs = {} if self.grads_on_gpu or self.holds_grads or self.norm_pass else {
             u: GradAccumulator(self.dev, layouts[u], fused) for u in sorted(self.gpu_updated) if 0 < u <= L}
         n_layer_accs = min(2, L) if shared_layer_accs else L
         self.layer_accs = [GradAccumulator(self.dev, layer_layouts[0], fused, wire=any(0 < u <= L for u in wired))
@@ -444,8 +461,10 @@ class StreamEngine:
 
     def _sq_norms_out(self, unit: int, last: bool) -> Optional[torch.Tensor]:
         """Where an add into unit's accumulator writes its sums of squares: the last add of the step, unless the
-        norms are of the held copy or of the gradient summed over ranks (taken in `_finish_grad`)."""
-        return self.sq_slices[unit] if last and not self.holds_grads and not self.dp.active else None
+        norms are of the held copy or of the gradient summed over ranks (taken in `_finish_grad`), or a norm pass's
+        first backward took them already."""
+        taken = self.norm_pass and not self.first_pass
+        return self.sq_slices[unit] if last and not self.holds_grads and not self.dp.active and not taken else None
 
     def _finish_grad(self, unit: int, grad_hook) -> None:
         acc = self.acc.pop(unit) if unit not in (0, self.spec.num_layers + 1) else self.acc[unit]
@@ -477,6 +496,17 @@ class StreamEngine:
         squares (data parallel: one rank does)."""
         if grad_hook is not None:
             grad_hook(unit, acc.views)
+        if self.first_pass:  # a norm pass's first backward: the sums of squares are all it keeps of the gradient
+            if grad_hook is not None:
+                self.sq_slices[unit].copy_(optim.sq_norms(list(acc.views.values())))
+            return
+        if self.norm_pass and unit in self.gpu_updated:  # its second: the update right away, nothing held
+            acc.hand_off()
+            if unit in self.resident_units:
+                self._resident_step(unit, acc)
+            else:
+                self.streamed.update_now(unit, acc, self._streamed_step)
+            return
         if unit in self.host_held:
             self._hold_on_host(unit, acc, norms)
             return
@@ -628,16 +658,17 @@ class StreamEngine:
                     del y
                 else:
                     x_in = self._layer_input(unit - 1, m).requires_grad_()
+                    kept_m = self.kept_forward.get((unit, m)) if self.first_pass \
+                        else self.kept_forward.pop((unit, m), None)
                     with autocast_ctx(self.dev.device, self.compute_dtype):
-                        dx[m], layer_grads = spec.layer_grads(p, x_in, dx[m], self.pos[m], unit - 1,
-                                                              kept=self.kept_forward.pop((unit, m), None))
+                        dx[m], layer_grads = spec.layer_grads(p, x_in, dx[m], self.pos[m], unit - 1, kept=kept_m)
                 acc.add(layer_grads, self._sq_norms_out(unit, m == len(dx) - 1))
                 del layer_grads, x_in
             self._release(unit)
             self._load_ahead(order, k, wait=True)
             self._finish_grad(unit, grad_hook)
             if self.layer_progress is not None:
-                self.layer_progress("backward", k + 1)
+                self.layer_progress("norm backward" if self.first_pass else "backward", k + 1)
 
     def _prefetch_input(self, i: int, m: int) -> None:
         if (i, m) not in self.regenerated and (i in self.stored_inputs or self.activations.holds_spare(i, m)):
@@ -649,7 +680,7 @@ class StreamEngine:
 
     def _layer_input(self, i: int, m: int) -> torch.Tensor:
         x = self.regenerated.pop((i, m), None)
-        return x if x is not None else self.activations.get(i, m)
+        return x if x is not None else self.activations.get(i, m, keep=self.first_pass)
 
     def _regenerate(self, i: int, micro_batches: int) -> None:
         """Layer inputs base..i of every micro-batch, base the first input of i's recompute group: the kept input
@@ -659,7 +690,7 @@ class StreamEngine:
         entries (the kept input stays in its own), to be fetched back one ahead like kept inputs."""
         spec, base = self.spec, i - i % self.recompute_group
         on_host = not self.activations.on_gpu
-        x = [self.activations.get(base, m) for m in range(micro_batches)]
+        x = [self.activations.get(base, m, keep=self.first_pass) for m in range(micro_batches)]
         if not on_host:
             for m in range(micro_batches):
                 self.regenerated[(base, m)] = x[m]
@@ -700,16 +731,11 @@ class StreamEngine:
         self.timer.mark("start")
         x = self._forward(ids, keep=True)
         self.timer.mark("forward")
-        dx, loss_total = self._head(x, labels, n_tokens, grad_hook)
-        del x
-        self.timer.mark("head")
-        self._backward(dx, grad_hook)
-        self._embed_backward(ids, dx, grad_hook)
-        self.timer.mark("backward")
-        del dx
-        self.activations.clear()
-        self.regenerated.clear()
-        self.kept_forward.clear()
+        self.first_pass = self.norm_pass
+        loss_total = self._gradients(ids, x, labels, n_tokens, grad_hook)
+        if not self.norm_pass:
+            del x
+            self._clear_kept()
 
         if self.dp.active:  # the norm reads the sums of squares the comm stream wrote, one rank's each: summed
             reduced = self.dev.event()
@@ -724,6 +750,17 @@ class StreamEngine:
         self._collect_pass()
         coef_dev = optim.clip_coefficient(total_norm, self.t.max_grad_norm)
         coef = coef_dev.cpu()
+        scale = float(coef) < 1.0
+        self.update_args = (coef_dev, scale, lr)
+        if self.format_opt is not None:
+            self.format_opt.set_lr(lr)
+        if self.norm_pass:  # the second backward updates each unit as its gradient is finished
+            self.first_pass = False
+            if not skipped:
+                self.streamed.set_update(coef_dev, scale, lr)
+                self._gradients(ids, x, labels, n_tokens, grad_hook)
+            del x
+            self._clear_kept()
         phases = self.timer.read()
         previous_optimizer_s, previous_nvme_io = self.last_optimizer_s, self.last_nvme_io
         self.skipped_steps += int(skipped)
@@ -731,27 +768,10 @@ class StreamEngine:
         for unit, ev in enumerate(self.updated):
             if self.owns(unit):  # another rank's units are that rank's to update
                 ev.clear()
-        scale = float(coef) < 1.0
-        if self.format_opt is not None:
-            self.format_opt.set_lr(lr)
-        for unit in sorted(self.resident_units):  # state in GPU memory: updated right here, in compute-stream order
-            acc = self.gpu_grads[unit]
-            if skipped:
-                acc.release_unread()
-            else:
-                if self.format_opt is not None:  # the fused kernel scales by the clip coefficient itself
-                    self.format_opt.step_unit(unit, acc.flat, coef_dev, grad_scales=acc.scales)
-                else:
-                    if scale:
-                        acc.flat.mul_(coef_dev)
-                    self.opt.step_unit(unit, acc.flat, lr)
-                acc.read_queued(None)
+        if not self.norm_pass:
+            self._gpu_updates(skipped)
+        for unit in self.resident_units:
             self.updated[unit].set()
-        if skipped:
-            self.streamed.skip(self.gpu_grads)
-        elif self.my_streamed_units:  # updated when the next forward loads them (streamed_update.py)
-            self.streamed.submit(self.gpu_grads, coef_dev, scale, lr,
-                                 {u: self.grad_landed[u] for u in self.host_held})
         for unit in self.streamed_units:
             self.updated[unit].set()
         self.pending = self.pool.submit(self._optimizer_pass, coef, lr, skipped, dict(self.gpu_grads),
@@ -766,6 +786,52 @@ class StreamEngine:
             copy_and_update_s = phases.get("h2d_busy_s", 0.0) + phases.get("d2h_busy_s", 0.0) + previous_optimizer_s
             record["overlap"] = 1.0 - min(1.0, phases["exposed_s"] / copy_and_update_s) if copy_and_update_s else 1.0
         return record
+
+    def _gradients(self, ids: List[torch.Tensor], x: List[torch.Tensor], labels: List[torch.Tensor], n_tokens: int,
+                   grad_hook) -> torch.Tensor:
+        """The head, the layers' backward and the embedding's, from the last layer's outputs `x`: every unit's
+        gradient finished and handed to its reader (or, in a norm pass's first backward, its sums of squares
+        taken). Returns the loss."""
+        first = "norm_" if self.first_pass else ""
+        dx, loss_total = self._head(x, labels, n_tokens, grad_hook)
+        self.timer.mark(first + "head")
+        self._backward(dx, grad_hook)
+        self._embed_backward(ids, dx, grad_hook)
+        self.timer.mark(first + "backward")
+        return loss_total
+
+    def _clear_kept(self) -> None:
+        """Drop what the forward kept for the backward."""
+        self.activations.clear()
+        self.regenerated.clear()
+        self.kept_forward.clear()
+
+    def _resident_step(self, unit: int, acc: GradAccumulator) -> None:
+        """A GPU-resident unit's update from its finished gradient, on the compute stream (`update_args`: the step's
+        clip coefficient on the GPU, whether it scales, the learning rate)."""
+        coef_dev, scale, lr = self.update_args
+        if self.format_opt is not None:  # the fused kernel scales by the clip coefficient itself
+            self.format_opt.step_unit(unit, acc.flat, coef_dev, grad_scales=acc.scales)
+        else:
+            if scale:
+                acc.flat.mul_(coef_dev)
+            self.opt.step_unit(unit, acc.flat, lr)
+        acc.read_queued(None)
+
+    def _gpu_updates(self, skipped: bool) -> None:
+        """After a step's backward: the GPU-resident units updated right here, in compute-stream order; the
+        GPU-streamed ones due when the next forward loads them (streamed_update.py)."""
+        for unit in sorted(self.resident_units):
+            if skipped:
+                self.gpu_grads[unit].release_unread()
+            else:
+                self._resident_step(unit, self.gpu_grads[unit])
+        if skipped:
+            self.streamed.skip(self.gpu_grads)
+        elif self.my_streamed_units:
+            coef_dev, scale, lr = self.update_args
+            self.streamed.submit(self.gpu_grads, coef_dev, scale, lr,
+                                 {u: self.grad_landed[u] for u in self.host_held})
 
     def _optimizer_pass(self, coef: torch.Tensor, lr: float, skipped: bool, gpu_grads, grad_landed,
                         step: int) -> None:

@@ -24,7 +24,9 @@ class StallTimer:
     still be busy (with grads on the host, the embedding's gradient D2H is queued after the last compute). Each
     copy's end event is therefore synchronised before it is read; an event still pending cannot be timed (CUDA
     answers "not ready"). The wait is at most that last copy, which the host optimizer must wait for anyway before
-    it can update the embedding, the first unit the next forward needs. On CPU, copies are synchronous: stalls and
+    it can update the embedding, the first unit the next forward needs. A norm pass's second backward runs after
+    that point, so the phase marks are synchronised too (the host waits for the step's last compute, which only the
+    launch of the next step's first kernels could have overlapped). On CPU, copies are synchronous: stalls and
     busy times are not measured, phases are wall-clock.
     """
 
@@ -91,6 +93,8 @@ class StallTimer:
     def read(self) -> Dict[str, float]:
         out: Dict[str, float] = {}
         for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            if self.dev.cuda:
+                b.synchronize()
             seconds = a.elapsed_time(b) / 1e3 if self.dev.cuda else b - a
             out[f"{name}_s"] = out.get(f"{name}_s", 0.0) + seconds
         if not self.dev.cuda:

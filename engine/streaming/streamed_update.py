@@ -27,7 +27,10 @@ the host), and the next refill follows that forward on the compute stream.
 Only events order the work: the host never waits for the device here. The staging buffer a unit uses is fixed by its
 rank among the streamed units (rank % 2), so each unit's AdamW (its parameter views and step counters) is built once.
 `flush` applies pending updates without a slot to cast into (before a checkpoint, an export or the end of the run);
-the next load of such a unit reads its master from home, after the D2H that wrote it.
+the next load of such a unit reads its master from home, after the D2H that wrote it. A norm pass (`engine.norm_pass`)
+updates every streamed unit that way in its second backward, as soon as the unit's gradient is finished
+(`update_now`): the same state traffic, moved from the next forward into the backward, and a plain weight load at the
+next forward; the unit's gradient is never held.
 """
 
 from __future__ import annotations
@@ -111,12 +114,26 @@ class StreamedUpdater:
         `host_grads` unit, the event after its gradient's D2H copy."""
         if self.pending:
             raise RuntimeError(f"streamed updates of units {sorted(self.pending)} were never applied")
+        self.set_update(coef, scale, lr)
         self.grads_final = self.dev.event()
         self.grads_final.record()
-        self.dev.record_stream(coef, self.h2d)
         self.pending = {u: grads[u] for u in self.units}
-        self.coef, self.scale, self.lr = coef, scale, lr
         self.grad_landed = dict(grad_landed or {})
+
+    def set_update(self, coef: torch.Tensor, scale: bool, lr: float) -> None:
+        """The step's clip coefficient (on the GPU, final on the compute stream), whether it scales, and the
+        learning rate, for the updates queued from now on."""
+        self.dev.record_stream(coef, self.h2d)
+        self.coef, self.scale, self.lr = coef, scale, lr
+
+    def update_now(self, unit: int, grad: GradAccumulator, step) -> None:
+        """A norm pass's second backward: queue unit's update at once, behind its gradient's last add on the current
+        stream, after `set_update`; no slot to cast into (the next forward loads the unit's weights from home, after
+        the D2H that writes them there)."""
+        self.grads_final = self.dev.event()
+        self.grads_final.record()
+        self.pending[unit] = grad
+        self.update(unit, step, None)
 
     def update(self, unit: int, step, slot: Optional[Slot]) -> None:
         """Queue unit's update (and, with a slot, the cast of its fresh weights into it); see the module doc.
