@@ -324,6 +324,8 @@ BAD = {
                           "engine=stream engine.nvme_units=1 train.moments_dtype=int8"],
     "engine.recompute_group": ["engine.recompute_group=0", "engine.recompute_group=-2",
                                 "engine.recompute_group=99", "engine.recompute_group=two"],
+    "engine.norm_pass": ["engine.norm_pass=maybe", "engine.norm_pass=on train.grad_dtype=int8",
+                         "engine.norm_pass=on engine.keep_activation_layers=2"],
     "engine.fused_kernels": ["engine.fused_kernels=maybe"],
     "engine.shard_state": ["engine.shard_state=maybe"],
     "seed": ["seed=-1", "seed=abc", f"seed={2**63}"],

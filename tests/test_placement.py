@@ -24,7 +24,7 @@ def test_the_unit_sets_partition_the_units_in_forward_order():
     assert p.as_dict() == {"slots": 2, "keep_activation_layers": 2, "recompute_group": 2, "kept_attention_layers": 3,
                            "activation_tier": "host",
                            "grads_tier": "host", "cache_weights": "off", "gpu_resident_units": 2,
-                           "gpu_streamed_units": 3, "nvme_units": 2, "host_grad_units": 0}
+                           "gpu_streamed_units": 3, "nvme_units": 2, "host_grad_units": 0, "norm_pass": "off"}
 
 
 @pytest.mark.parametrize("fields", [{"gpu_resident_units": 6, "gpu_streamed_units": 4}, {"recompute_group": 0},

@@ -139,3 +139,33 @@ def test_a_data_parallel_rank_runs_no_norm_pass():
         assert local_config(cfg, ranks).engine.norm_pass == "off"
     with pytest.raises(ConfigError, match=r"engine.norm_pass=on runs in one process.* 2 data-parallel ranks"):
         local_config(make_cfg(["model=tiny", "engine=stream", "train.grad_accum=2", "engine.norm_pass=on"]), ranks)
+
+
+
+@pytest.mark.parametrize("hold_fits_up_to, count, norm_pass", [(4, 4, "off"), (0.5, 8, "auto")])
+def test_micro_batches_chosen_by_the_plan_hold_the_gradients_where_any_count_fits_so(
+        monkeypatch, hold_fits_up_to, count, norm_pass):
+    """train.grad_accum=-1 compares counts by their forward's stream against its compute, which does not see a norm
+    pass's extra backward: the counts are planned holding the gradients (engine.norm_pass=off), and with the norm
+    pass allowed (auto) only where not even one micro-batch fits so. Modelled plans: the forward streams 8 s and
+    computes 1 s a micro-batch; holding the gradients fits up to `hold_fits_up_to` micro-batches, allowing the norm
+    pass up to 40. Without that order the climb from 1 would jump to 8, which fits with a norm pass only."""
+    from engine.plan import build as build_module
+    from tests.test_plan_micro_batches import modelled
+
+    hold, allowed = modelled(lambda n: 8.0, 1.0, hold_fits_up_to), modelled(lambda n: 8.0, 1.0, 40)
+    modes = []
+
+    def plan_executions(spec, cfg, *args, **kwargs):
+        modes.append(cfg.engine.norm_pass)
+        plan = (hold if cfg.engine.norm_pass == "off" else allowed)(cfg.train.grad_accum)
+        plan.state_format = StateFormat.of(cfg.train)
+        return plan
+
+    monkeypatch.setattr(build_module, "_plan_executions", plan_executions)
+    cfg = make_cfg(["model=tiny", "engine=stream", "train.grad_accum=-1", "train.master_dtype=fp32",
+                    "train.moments_dtype=fp32", "train.grad_dtype=fp32"])
+    plan = build_plan(ModelSpec(cfg.model), cfg, gpu_gib=78.5, host_gib=125.0, on_gpu=True, check=False)
+    assert cfg.train.grad_accum == count and cfg.engine.norm_pass == "auto"
+    assert plan.grad_accum_choice.startswith(f"train.grad_accum=-1: {count} micro-batches a step")
+    assert modes[-1] == norm_pass and set(modes) == ({"off"} if norm_pass == "off" else {"off", "auto"})

@@ -46,7 +46,16 @@ def _plan_micro_batches(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool
                               "profile has them): set train.grad_accum to a number of micro-batches, 1 or more")
         return plan
 
+    # a norm pass costs a backward that the counts' comparison (their forward's stream against its compute) does
+    # not see: with engine.norm_pass=auto the counts are planned holding the gradients, and only where not even one
+    # micro-batch fits so are they planned again with the norm pass allowed
+    norm_pass = cfg.engine.norm_pass
+    if norm_pass == "auto":
+        cfg.engine.norm_pass = "off"
     choice = choose_micro_batches(plan_with)
+    cfg.engine.norm_pass = norm_pass
+    if norm_pass == "auto" and choice.plan.problem():
+        choice = choose_micro_batches(plan_with)
     cfg.train.grad_accum = choice.grad_accum
     plan = choice.plan
     _set_state_format(cfg.train, plan.state_format)
