@@ -184,7 +184,8 @@ GRIDS = {
     ],
     # the norm pass (engine.norm_pass=on: no gradient held, one more head and backward a step), measured beside the
     # hold it replaces: gpt-oss-20b at 64K tokens a step with int8 held gradients, then fp32 gradients and the norm
-    # pass; and gpt-oss-120b at its published width (4 of 36 layers) with the norm pass on the 80 GB card
+    # pass; and gpt-oss-120b at its published width (4 of 36 layers) with the norm pass on the 80 GB card, at the
+    # 3 x 4096 tokens a step that its full depth fits with 512 GiB of host (4 x 4096 does not fit the GPU)
     "normpass": [
         ("gptoss20b-stream-64k-int8grads-compiled", ["experiment=bench_gptoss20b_h100", "data=stdlib",
                                                      "train.steps=4", "train.grad_accum=4", "train.grad_dtype=int8"]),
@@ -193,7 +194,8 @@ GRIDS = {
                                                     "engine.norm_pass=on"]),
         ("gptoss120b-4l-stream-16k-normpass-compiled", ["experiment=bench_gptoss120b_4l_h200", "hardware=h100",
                                                         "data=stdlib", "train.steps=4", "train.grad_dtype=fp32",
-                                                        "train.compile=on", "engine.norm_pass=on"]),
+                                                        "train.grad_accum=3", "train.compile=on",
+                                                        "engine.norm_pass=on"]),
     ],
     # qwen7b at 4K tokens a micro-batch, where the forward waits on the weight stream: one micro-batch a step, and the
     # count train.grad_accum=-1 chooses (the fewest whose forward hides the stream)
