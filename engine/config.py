@@ -699,18 +699,28 @@ def _validate_engine(cfg: DictConfig) -> None:
                           "engine.keep_activation_layers); engine=reference honours false")
 
 
+# the engine settings a norm pass (engine.norm_pass) allows, each with the values it allows: the others keep what its
+# first backward would consume (kept graphs, kept attention outputs, cached weights) or hold a gradient. The last
+# value of each is the one a norm pass runs with
+NORM_PASS_ENGINE_VALUES = {"grads_tier": ("auto", "host"), "keep_activation_layers": (-1, 0),
+                           "kept_attention_layers": (-1, 0), "cache_weights": ("auto", "off"),
+                           "host_grad_units": (-1, 0)}
+
+
+def norm_pass_conflicts(engine) -> List[str]:
+    """The settings of `engine` (the engine config, or any object with its fields) that rule a norm pass out, as
+    `engine.<key>=<value>`."""
+    return [f"engine.{key}={getattr(engine, key)}" for key, allowed in NORM_PASS_ENGINE_VALUES.items()
+            if getattr(engine, key) not in allowed]
+
+
 def _validate_norm_pass(cfg: DictConfig) -> None:
     """engine.norm_pass=on against the settings that keep or hold what its first backward cannot leave behind."""
     e = cfg.engine
     if e.norm_pass != "on":
         return
-    conflicts = [f"{key}={value}" for key, value, fine in (
-        ("train.grad_dtype", cfg.train.grad_dtype, ("auto", "fp32")),
-        ("engine.grads_tier", e.grads_tier, ("auto", "host")),
-        ("engine.keep_activation_layers", e.keep_activation_layers, (-1, 0)),
-        ("engine.kept_attention_layers", e.kept_attention_layers, (-1, 0)),
-        ("engine.cache_weights", e.cache_weights, ("auto", "off")),
-        ("engine.host_grad_units", e.host_grad_units, (-1, 0))) if value not in fine]
+    grads = [] if cfg.train.grad_dtype in ("auto", "fp32") else [f"train.grad_dtype={cfg.train.grad_dtype}"]
+    conflicts = grads + norm_pass_conflicts(e)
     if conflicts:
         raise ConfigError(f"engine.norm_pass=on holds no gradient and recomputes every layer, which "
                           f"{', '.join(conflicts)} contradicts; leave those at auto (-1) or set "

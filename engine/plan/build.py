@@ -7,12 +7,12 @@ from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
 from engine.execution import Execution
-from engine.config import GRAD_ACCUM_AUTO, ConfigError, exact_state_required
+from engine.config import GRAD_ACCUM_AUTO, ConfigError, exact_state_required, norm_pass_conflicts
 from engine.formats import AUTO_GRAD_DTYPES, FIELDS, StateFormat, all_formats, candidate_formats, format_is_open
 from engine.plan.memory import GIB, MemoryPlan, PlanError
 from engine.plan.micro_batches import choose_micro_batches
 from engine.plan.reference import reference_plan
-from engine.plan.stream import StreamPlanner, data_parallel_ranks, norm_pass_allowed, norm_pass_unfit_note
+from engine.plan.stream import StreamPlanner, data_parallel_ranks, norm_pass_unfit_note
 
 
 def build_plan(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool, check: bool = True,
@@ -52,8 +52,10 @@ def _plan_micro_batches(spec, cfg, gpu_gib: float, host_gib: float, on_gpu: bool
     norm_pass = cfg.engine.norm_pass
     if norm_pass == "auto":
         cfg.engine.norm_pass = "off"
-    choice = choose_micro_batches(plan_with)
-    cfg.engine.norm_pass = norm_pass
+    try:
+        choice = choose_micro_batches(plan_with)
+    finally:
+        cfg.engine.norm_pass = norm_pass
     if norm_pass == "auto" and choice.plan.problem():
         choice = choose_micro_batches(plan_with)
     cfg.train.grad_accum = choice.grad_accum
@@ -156,7 +158,7 @@ def _norm_pass_rounds(cfg, candidates: Sequence[StateFormat], state_ranks: int) 
     mode = cfg.engine.norm_pass if cfg.engine.name == "stream" else "off"
     if mode == "on":
         return [("on", fp32_grads)]
-    if mode == "auto" and fp32_grads and norm_pass_allowed(cfg.engine) \
+    if mode == "auto" and fp32_grads and not norm_pass_conflicts(cfg.engine) \
             and data_parallel_ranks(cfg, state_ranks) == 1:
         return [("off", list(candidates)), ("on", fp32_grads)]
     return [("off", list(candidates))]
@@ -238,7 +240,7 @@ def norm_pass_fits(spec, cfg, gpu_gib: float, host_gib: float, ex: Execution, st
     format set): a note when the plan fits with one (with fp32 gradients), else nothing."""
     fmt = StateFormat.of(cfg.train)
     planned = cfg.engine.norm_pass == "on" or (cfg.engine.norm_pass == "auto" and fmt.grad == "fp32")
-    if cfg.engine.name != "stream" or planned or not norm_pass_allowed(cfg.engine) \
+    if cfg.engine.name != "stream" or planned or norm_pass_conflicts(cfg.engine) \
             or data_parallel_ranks(cfg, state_ranks) > 1:
         return []
     fp32_grads = replace(fmt, grad="fp32")

@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
+from engine.config import NORM_PASS_ENGINE_VALUES, norm_pass_conflicts
 from engine.execution import Execution
 from engine.formats import StateFormat
 from engine.model.lean import kept_attention_bytes_per_token
@@ -26,14 +27,7 @@ Candidate = Tuple[Placement, float]  # a placement that fits HBM, and the GPU by
 
 # what a norm pass's search takes for the engine settings it needs (its first backward consumes nothing the forward
 # kept but the layer inputs, and nothing holds a gradient): `Placement` checks the same
-NORM_PASS_SETTINGS = {"keep_activation_layers": 0, "kept_attention_layers": 0, "cache_weights": "off",
-                      "grads_tier": "host", "host_grad_units": 0}
-
-
-def norm_pass_allowed(e) -> bool:
-    """Whether the engine settings `e` leave a norm pass possible: none of NORM_PASS_SETTINGS fixed otherwise."""
-    return e.keep_activation_layers in (-1, 0) and e.kept_attention_layers in (-1, 0) \
-        and e.cache_weights != "on" and e.grads_tier != "gpu" and e.host_grad_units in (-1, 0)
+NORM_PASS_SETTINGS = {key: allowed[-1] for key, allowed in NORM_PASS_ENGINE_VALUES.items()}
 
 
 def data_parallel_ranks(cfg, state_ranks: int) -> int:
@@ -187,7 +181,7 @@ class StreamPlanner:
                 "set train.grad_dtype=fp32 or auto, or engine.norm_pass=auto or off")
         if asked == "on" and blocker:
             raise PlanError(f"engine.norm_pass=on: {blocker}")
-        if asked == "auto" and (blocker or not norm_pass_allowed(self.e)):
+        if asked == "auto" and (blocker or norm_pass_conflicts(self.e)):
             return "off"
         return asked
 
